@@ -1,0 +1,38 @@
+// The one TORCH_LIBRARY block: every kvq op's schema, plus the CPU implementations.
+// CUDA implementations are registered in cuda_bindings.cpp (built only with CUDA).
+#include <Python.h>
+#include <torch/library.h>
+
+#include "ops.h"
+
+// `import kvquant_ext._C` loads this library, which registers the ops below.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY(kvq, m) {
+  // x: [..., T, D] -> codes int32 [..., T, D*bits/32], scale/zero fp16
+  //   per_channel: [..., T/G, D]; per-token: [..., T, D/G].  group_size -1 = whole axis.
+  m.def("quantize(Tensor x, int bits, int group_size, bool per_channel, bool check_finite=True)"
+        " -> (Tensor codes, Tensor scale, Tensor zero)");
+  m.def("dequantize(Tensor codes, Tensor scale, Tensor zero, int bits, bool per_channel,"
+        " ScalarType dtype) -> Tensor");
+  // ---- GEAR ops (outlier_select, lowrank_power_iter, gear_compress, gear_decompress) ----
+  // ---- end GEAR ops ----
+  // ---- HQMQ ops (hqmq_encode, hqmq_decode) ----
+  // ---- end HQMQ ops ----
+  // ---- decode attention ops ----
+  // ---- end decode attention ops ----
+}
+
+TORCH_LIBRARY_IMPL(kvq, CPU, m) {
+  m.impl("quantize", &kvq::quantize_cpu);
+  m.impl("dequantize", &kvq::dequantize_cpu);
+  // ---- GEAR CPU impls ----
+  // ---- end GEAR CPU impls ----
+  // ---- HQMQ CPU impls ----
+  // ---- end HQMQ CPU impls ----
+  // ---- decode attention CPU impls ----
+  // ---- end decode attention CPU impls ----
+}

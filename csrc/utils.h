@@ -1,0 +1,64 @@
+// Argument checks and small helpers for the torch-facing code.  Every user error is a
+// TORCH_CHECK whose message names the op and the argument.
+#pragma once
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include "kvq/common/dispatch.h"
+
+#define KVQ_CHECK_ARG(cond, op, arg, ...) \
+  TORCH_CHECK(cond, "kvq.", op, ": argument '", arg, "' ", __VA_ARGS__)
+
+#define CHECK_FLOATING(op, t, name)                                                       \
+  KVQ_CHECK_ARG((t).scalar_type() == at::kHalf || (t).scalar_type() == at::kBFloat16 ||    \
+                    (t).scalar_type() == at::kFloat,                                      \
+                op, name, "must be float16, bfloat16 or float32, got ", (t).scalar_type())
+#define CHECK_DTYPE(op, t, name, dtype) \
+  KVQ_CHECK_ARG((t).scalar_type() == (dtype), op, name, "must have dtype ", dtype, ", got ", (t).scalar_type())
+#define CHECK_MIN_DIM(op, t, name, d) \
+  KVQ_CHECK_ARG((t).dim() >= (d), op, name, "must have at least ", d, " dimensions, got shape ", (t).sizes())
+#define CHECK_DIM(op, t, name, d) \
+  KVQ_CHECK_ARG((t).dim() == (d), op, name, "must have ", d, " dimensions, got shape ", (t).sizes())
+#define CHECK_SAME_DEVICE(op, a, aname, b, bname)                                          \
+  TORCH_CHECK((a).device() == (b).device(), "kvq.", op, ": argument '", bname, "' is on ", \
+              (b).device(), " but '", aname, "' is on ", (a).device())
+
+namespace kvq {
+
+inline DTypeId dtype_id(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DTypeId::kFloat32;
+    case at::kHalf: return DTypeId::kFloat16;
+    case at::kBFloat16: return DTypeId::kBFloat16;
+    default: TORCH_CHECK(false, "kvq: unsupported dtype ", t);
+  }
+}
+
+/// \brief Contiguous, 16-byte aligned version of t (copies only when needed).
+inline at::Tensor contiguous_aligned(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+/// \brief Product of all but the last `keep` dims.
+inline int64_t leading_numel(const at::Tensor& t, int keep) {
+  int64_t n = 1;
+  for (int64_t i = 0; i < t.dim() - keep; ++i) n *= t.size(i);
+  return n;
+}
+
+/// \brief Raise the user-facing error for a kernel status flag (host value).
+void raise_status(const char* op, const char* arg, int32_t status);
+
+/// \brief Turn a CUDA-free kvq::Error into a torch error.
+template <typename F>
+auto translate_errors(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const ::kvq::Error& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+}  // namespace kvq

@@ -1,0 +1,44 @@
+"""kvquant-ext: KV-cache compression (KIVI, KCVT, GEAR, HQMQ and baselines) as torch
+custom ops (``torch.ops.kvq.*``) with CPU and CUDA kernels.
+
+>>> import kvquant_ext as kvq
+>>> c = kvq.compress(keys, kvq.get_config("kivi-2"), role="key")
+>>> c.decompress(), c.nbytes, c.bits_per_element
+"""
+from __future__ import annotations
+
+import torch  # noqa: F401  (must be imported before the extension library)
+
+from . import _ops as ops  # noqa: F401  (registers torch.ops.kvq.* and their fakes)
+from ._ops import dequantize, quantize
+from .cache import KVCache
+from .compressed import Compressed, FullPrecision, GroupQuantized
+from .config import (PRESETS, CompressionConfig, FP16Config, FlexGenConfig, GroupQuantConfig,
+                     KCVTConfig, KIVIConfig, PerTokenIntConfig, QuantSpec, get_config,
+                     register_preset)
+
+try:
+    from ._build_config import WITH_CUDA as built_with_cuda
+except ImportError:  # pragma: no cover
+    built_with_cuda = False
+
+__version__ = "0.1.0"
+
+
+def compress(x: torch.Tensor, config, role: str, *, check_finite: bool = True) -> Compressed:
+    """Compress a whole ``[B, H, T, D]`` block with ``config`` (or a preset name) as
+    ``role`` ("key" or "value").  Returns an object with ``decompress()``, ``nbytes`` and
+    ``bits_per_element``."""
+    if isinstance(config, str):
+        config = get_config(config)
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
+                        f"got {type(config).__name__}")
+    return config.compress(x, role, check_finite=check_finite)
+
+
+__all__ = [
+    "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
+    "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PerTokenIntConfig",
+    "QuantSpec", "compress", "dequantize", "get_config", "quantize", "register_preset",
+]

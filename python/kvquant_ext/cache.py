@@ -1,0 +1,108 @@
+"""``KVCache``: a streaming multi-layer compressed key/value cache."""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .config import CompressionConfig
+
+
+class LayerCache:
+    """Keys and values of one layer, each a :class:`~kvquant_ext.streams.Stream`."""
+
+    def __init__(self, config: CompressionConfig, check_finite: bool):
+        self.key = config.new_stream("key", check_finite=check_finite)
+        self.value = config.new_stream("value", check_finite=check_finite)
+
+
+class KVCache:
+    """Streaming compressed KV cache for any number of layers.
+
+    ``update(key, value, layer_idx)`` appends ``[B, H, t, D]`` tokens following the
+    method's streaming rule (KIVI residual, GEAR buffer, HQMQ per token);
+    ``dequantize(layer_idx)`` returns the full ``(K, V)`` as the cache holds them.
+
+    Parameters
+    ----------
+    config : a :class:`~kvquant_ext.config.CompressionConfig` (or a preset name).
+    num_layers : optional; layers are also created on first use.
+    check_finite : raise on NaN/Inf in appended tokens (default True).
+    """
+
+    def __init__(self, config, num_layers: Optional[int] = None, *, check_finite: bool = True):
+        if isinstance(config, str):
+            from .config import get_config
+            config = get_config(config)
+        if not isinstance(config, CompressionConfig):
+            raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
+                            f"got {type(config).__name__}")
+        self.config, self.check_finite = config, check_finite
+        self.layers: List[LayerCache] = []
+        if num_layers is not None:
+            self._ensure(num_layers - 1)
+
+    def _ensure(self, layer_idx: int) -> LayerCache:
+        if not isinstance(layer_idx, int) or layer_idx < 0:
+            raise ValueError(f"argument 'layer_idx' must be a non-negative int, got {layer_idx!r}")
+        while len(self.layers) <= layer_idx:
+            self.layers.append(LayerCache(self.config, self.check_finite))
+        return self.layers[layer_idx]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
+        """Append ``key``/``value`` tokens ``[B, H, t, D]`` to layer ``layer_idx``."""
+        if key.shape[:3] != value.shape[:3] if key.dim() == 4 and value.dim() == 4 else False:
+            raise ValueError(f"arguments 'key' {tuple(key.shape)} and 'value' {tuple(value.shape)} "
+                             "must agree in [B, H, T]")
+        layer = self._ensure(layer_idx)
+        layer.key.append(key, "key")
+        layer.value.append(value, "value")
+
+    def dequantize(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Full ``(K, V)`` of a layer, ``[B, H, T, D]`` each, as the cache holds them."""
+        layer = self._layer(layer_idx)
+        if layer.key.seq_len == 0 and layer.key.dequantize() is None:
+            raise ValueError(f"layer {layer_idx} of the cache is empty")
+        return layer.key.dequantize(), layer.value.dequantize()
+
+    def _layer(self, layer_idx: int) -> LayerCache:
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(self.layers):
+            raise IndexError(f"argument 'layer_idx' {layer_idx!r} out of range: the cache has "
+                             f"{len(self.layers)} layers")
+        return self.layers[layer_idx]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].key.seq_len
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Every stored byte of every layer (codes, scales, zeros, outliers, factors, residual)."""
+        return sum(l.key.nbytes + l.value.nbytes for l in self.layers)
+
+    def state_dict(self) -> Dict[str, object]:
+        sd: Dict[str, object] = {"config": self.config.to_dict(), "num_layers": len(self.layers)}
+        for i, layer in enumerate(self.layers):
+            for role in ("key", "value"):
+                for name, t in getattr(layer, role).state_dict().items():
+                    sd[f"layers.{i}.{role}.{name}"] = t
+        return sd
+
+    def load_state_dict(self, state: Dict[str, object]) -> None:
+        from .config import CompressionConfig as _C
+        cfg = _C.from_dict(state["config"])
+        if cfg != self.config:
+            raise ValueError(f"state_dict was saved with config {cfg}, this cache has {self.config}")
+        self.layers = []
+        for i in range(int(state["num_layers"])):
+            layer = self._ensure(i)
+            for role in ("key", "value"):
+                prefix = f"layers.{i}.{role}."
+                sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+                if sub:
+                    getattr(layer, role).load_state_dict(sub)

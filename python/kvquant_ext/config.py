@@ -1,0 +1,242 @@
+"""Compression configs (validated dataclasses) and named presets.
+
+Each config knows how to compress one block (``compress(x, role)``) and how to stream
+tokens into a cache (``new_stream(role)``), so a new method plugs in by adding a config
+class; :class:`kvquant_ext.KVCache` and :func:`kvquant_ext.compress` never special-case
+methods.  C++ only ever receives ints and floats taken from these objects.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar, Dict, Type
+
+ROLES = ("key", "value")
+
+_REGISTRY: Dict[str, Type["CompressionConfig"]] = {}
+
+
+def _check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"argument 'role' must be 'key' or 'value', got {role!r}")
+    return role
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one role is group-quantized: bits, group size (-1 = whole axis), grouping."""
+
+    bits: int
+    group_size: int
+    per_channel: bool
+
+    def __post_init__(self):
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"argument 'bits' must be 2, 4 or 8, got {self.bits}")
+        if not (self.group_size == -1 or self.group_size > 0):
+            raise ValueError(f"argument 'group_size' must be positive or -1, got {self.group_size}")
+        if not self.per_channel and self.group_size != -1:
+            g = self.group_size
+            if g < 8 or g & (g - 1):
+                raise ValueError(
+                    f"argument 'group_size' must be a power of two >= 8 for per-token grouping, got {g}")
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Base of every config.  Subclasses implement ``compress`` and ``new_stream``."""
+
+    version: ClassVar[int] = 1
+    method: ClassVar[str] = "base"
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        _REGISTRY[cls.__name__] = cls
+
+    # -- behaviour ---------------------------------------------------------------
+    def compress(self, x, role: str, *, check_finite: bool = True):
+        raise NotImplementedError
+
+    def new_stream(self, role: str, *, check_finite: bool = True):
+        raise NotImplementedError
+
+    # -- serialisation -----------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["__class__"] = type(self).__name__
+        d["__version__"] = self.version
+        return d
+
+    @staticmethod
+    def from_dict(d: dict) -> "CompressionConfig":
+        d = dict(d)
+        cls = _REGISTRY[d.pop("__class__")]
+        d.pop("__version__", None)
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class FP16Config(CompressionConfig):
+    """No compression: tokens are kept in their input dtype (the reference)."""
+
+    method: ClassVar[str] = "fp16"
+
+    def compress(self, x, role, *, check_finite=True):
+        from .compressed import FullPrecision
+        _check_role(role)
+        return FullPrecision(x)
+
+    def new_stream(self, role, *, check_finite=True):
+        from .streams import FullPrecisionStream
+        _check_role(role)
+        return FullPrecisionStream()
+
+
+@dataclass(frozen=True)
+class GroupQuantConfig(CompressionConfig):
+    """Generic asymmetric group quantization of keys and values with a full-precision
+    residual window (``residual_length`` tokens, KIVI's streaming rule).
+
+    Per-channel keys use the block-flush rule (buffer of R tokens, quantized when full);
+    per-token roles use a FIFO of the last R tokens.  Specialised below as KIVI, KCVT,
+    naive per-token INT-b and FlexGen-style group quantization.
+    """
+
+    bits: int = 4
+    key_group_size: int = 32
+    value_group_size: int = 32
+    key_per_channel: bool = True
+    value_per_channel: bool = False
+    residual_length: int = 128
+    method: ClassVar[str] = "group"
+
+    def __post_init__(self):
+        ks, vs = self.key_spec(), self.value_spec()  # validates
+        if self.residual_length < 0:
+            raise ValueError(f"argument 'residual_length' must be >= 0, got {self.residual_length}")
+        for spec, role in ((ks, "key"), (vs, "value")):
+            if spec.per_channel:
+                if self.residual_length == 0:
+                    raise ValueError(
+                        f"argument 'residual_length' must be > 0 with per-channel {role}s "
+                        "(tokens are quantized R at a time)")
+                if spec.group_size != -1 and self.residual_length % spec.group_size:
+                    raise ValueError(
+                        f"argument 'residual_length' ({self.residual_length}) must be a multiple "
+                        f"of the {role} group size ({spec.group_size})")
+
+    def key_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.key_group_size, self.key_per_channel)
+
+    def value_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.value_group_size, self.value_per_channel)
+
+    def spec(self, role: str) -> QuantSpec:
+        return self.key_spec() if _check_role(role) == "key" else self.value_spec()
+
+    def compress(self, x, role, *, check_finite=True):
+        from .compressed import GroupQuantized
+        return GroupQuantized.from_tensor(x, self.spec(role), check_finite=check_finite)
+
+    def new_stream(self, role, *, check_finite=True):
+        from .streams import BlockFlushStream, FifoStream
+        spec = self.spec(role)
+        if spec.per_channel:
+            # In a stream each flushed block of R tokens is quantized on its own, so a
+            # whole-axis (KCVT) channel group becomes "the whole block": G = R.
+            if spec.group_size == -1:
+                spec = QuantSpec(spec.bits, self.residual_length, True)
+            return BlockFlushStream(spec, self.residual_length, check_finite=check_finite)
+        return FifoStream(spec, self.residual_length, check_finite=check_finite)
+
+
+class KIVIConfig(GroupQuantConfig):
+    """KIVI: per-channel keys (G tokens), per-token values (G channels), residual R."""
+
+    method: ClassVar[str] = "kivi"
+
+    def __init__(self, bits: int = 2, group_size: int = 32, residual_length: int = 128, **kw):
+        super().__init__(bits=bits, key_group_size=group_size, value_group_size=group_size,
+                         key_per_channel=True, value_per_channel=False,
+                         residual_length=residual_length)
+
+    @property
+    def group_size(self) -> int:
+        return self.key_group_size
+
+    def to_dict(self):
+        return {"__class__": "KIVIConfig", "__version__": self.version, "bits": self.bits,
+                "group_size": self.group_size, "residual_length": self.residual_length}
+
+
+class KCVTConfig(GroupQuantConfig):
+    """KCVT: one scale/zero per whole key channel and per whole value token."""
+
+    method: ClassVar[str] = "kcvt"
+
+    def __init__(self, bits: int = 4, residual_length: int = 128, **kw):
+        super().__init__(bits=bits, key_group_size=-1, value_group_size=-1,
+                         key_per_channel=True, value_per_channel=False,
+                         residual_length=residual_length)
+
+    def to_dict(self):
+        return {"__class__": "KCVTConfig", "__version__": self.version, "bits": self.bits,
+                "residual_length": self.residual_length}
+
+
+class PerTokenIntConfig(GroupQuantConfig):
+    """Naive per-token INT-b: one asymmetric scale/zero per token vector, keys and values,
+    every token quantized on arrival (no residual)."""
+
+    method: ClassVar[str] = "int-per-token"
+
+    def __init__(self, bits: int = 4, residual_length: int = 0, **kw):
+        super().__init__(bits=bits, key_group_size=-1, value_group_size=-1,
+                         key_per_channel=False, value_per_channel=False,
+                         residual_length=residual_length)
+
+    def to_dict(self):
+        return {"__class__": "PerTokenIntConfig", "__version__": self.version, "bits": self.bits,
+                "residual_length": self.residual_length}
+
+
+class FlexGenConfig(GroupQuantConfig):
+    """FlexGen-style: per-token groups of 64 channels for keys and values, 4-bit."""
+
+    method: ClassVar[str] = "flexgen"
+
+    def __init__(self, bits: int = 4, group_size: int = 64, residual_length: int = 0, **kw):
+        super().__init__(bits=bits, key_group_size=group_size, value_group_size=group_size,
+                         key_per_channel=False, value_per_channel=False,
+                         residual_length=residual_length)
+
+    def to_dict(self):
+        return {"__class__": "FlexGenConfig", "__version__": self.version, "bits": self.bits,
+                "group_size": self.key_group_size, "residual_length": self.residual_length}
+
+
+# ----------------------------------------------------------------------------- presets
+PRESETS: Dict[str, CompressionConfig] = {
+    "fp16": FP16Config(),
+    "kivi-2": KIVIConfig(bits=2, group_size=32, residual_length=128),
+    "kivi-4": KIVIConfig(bits=4, group_size=32, residual_length=128),
+    "kcvt-4": KCVTConfig(bits=4, residual_length=128),
+    "int4-per-token": PerTokenIntConfig(bits=4),
+    "int2-per-token": PerTokenIntConfig(bits=2),
+    "flexgen-4": FlexGenConfig(bits=4, group_size=64),
+}
+
+
+def register_preset(name: str, config: CompressionConfig) -> None:
+    """Add (or replace) a named preset."""
+    if not isinstance(config, CompressionConfig):
+        raise TypeError(f"argument 'config' must be a CompressionConfig, got {type(config).__name__}")
+    PRESETS[name] = config
+
+
+def get_config(name: str) -> CompressionConfig:
+    """Return the preset called ``name`` (see ``kvq.PRESETS``)."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"argument 'name': unknown preset {name!r}; known: {sorted(PRESETS)}") from None

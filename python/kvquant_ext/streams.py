@@ -1,0 +1,210 @@
+"""Streaming storage of one role (keys or values) of one layer, used by
+:class:`kvquant_ext.KVCache`.  Each config's ``new_stream(role)`` returns one of these;
+new methods add their own ``Stream`` subclass.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from . import _ops
+from .compressed import check_cache_tensor
+from .config import QuantSpec
+
+
+class Growable:
+    """A tensor that grows along dim 2 with amortised (doubling) reallocation."""
+
+    def __init__(self):
+        self.buf: Optional[torch.Tensor] = None
+        self.length = 0
+
+    def append(self, t: torch.Tensor) -> None:
+        n = t.shape[2]
+        if self.buf is None:
+            self.buf = torch.empty((*t.shape[:2], max(n, 16), *t.shape[3:]), dtype=t.dtype,
+                                   device=t.device)
+        elif self.length + n > self.buf.shape[2]:
+            cap = max(self.length + n, 2 * self.buf.shape[2])
+            nb = torch.empty((*self.buf.shape[:2], cap, *self.buf.shape[3:]), dtype=self.buf.dtype,
+                             device=self.buf.device)
+            nb[:, :, :self.length] = self.buf[:, :, :self.length]
+            self.buf = nb
+        self.buf[:, :, self.length:self.length + n] = t
+        self.length += n
+
+    def view(self) -> Optional[torch.Tensor]:
+        return None if self.buf is None else self.buf[:, :, :self.length]
+
+    def reset(self, t: Optional[torch.Tensor]) -> None:
+        self.buf, self.length = None, 0
+        if t is not None:
+            self.append(t)
+
+
+class Stream:
+    """One role of one layer: ``append``, ``dequantize``, ``seq_len``, ``nbytes``, state."""
+
+    def __init__(self):
+        self.dtype: Optional[torch.dtype] = None
+        self._shape = None  # (B, H, D)
+
+    def _check(self, x: torch.Tensor, name: str) -> None:
+        check_cache_tensor(x, name)
+        B, H, _, D = x.shape
+        if self._shape is None:
+            self._shape, self.dtype, self.device = (B, H, D), x.dtype, x.device
+            return
+        if (B, H, D) != self._shape:
+            raise ValueError(f"argument '{name}' has shape {tuple(x.shape)}, but this cache holds "
+                             f"[B, H, T, D] = [{self._shape[0]}, {self._shape[1]}, T, {self._shape[2]}]")
+        if x.dtype != self.dtype:
+            raise TypeError(f"argument '{name}' has dtype {x.dtype}, but this cache holds {self.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"argument '{name}' is on {x.device}, but this cache is on {self.device}")
+
+    def append(self, x: torch.Tensor, name: str = "x") -> None:
+        raise NotImplementedError  # pragma: no cover
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError  # pragma: no cover
+
+    @property
+    def seq_len(self) -> int:
+        raise NotImplementedError  # pragma: no cover
+
+    def tensors(self) -> Dict[str, Optional[torch.Tensor]]:
+        """Every stored tensor, trimmed to the used length."""
+        raise NotImplementedError  # pragma: no cover
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.tensors().items() if v is not None}
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError  # pragma: no cover
+
+    def _empty(self) -> torch.Tensor:
+        B, H, D = self._shape
+        return torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
+
+
+class FullPrecisionStream(Stream):
+    """FP16 baseline: every token kept as given."""
+
+    def __init__(self):
+        super().__init__()
+        self.data = Growable()
+
+    def append(self, x, name="x"):
+        self._check(x, name)
+        self.data.append(x)
+
+    def dequantize(self):
+        return self.data.view() if self.data.buf is not None else None
+
+    @property
+    def seq_len(self):
+        return self.data.length
+
+    def tensors(self):
+        return {"data": self.data.view()}
+
+    def load_state_dict(self, state):
+        self._shape = None
+        self._check(state["data"], "state['data']")
+        self.data.reset(state["data"])
+
+
+class _QuantStream(Stream):
+    """Shared storage of the group-quantized streams: packed store + fp residual."""
+
+    def __init__(self, spec: QuantSpec, residual_length: int, *, check_finite: bool = True):
+        super().__init__()
+        self.spec, self.R, self.check_finite = spec, residual_length, check_finite
+        self.codes, self.scale, self.zero = Growable(), Growable(), Growable()
+        self.residual: Optional[torch.Tensor] = None
+
+    def _quantize_into_store(self, x: torch.Tensor) -> None:
+        c, s, z = _ops.quantize(x, self.spec.bits, self.spec.group_size, self.spec.per_channel,
+                                check_finite=self.check_finite)
+        self.codes.append(c)
+        self.scale.append(s)
+        self.zero.append(z)
+
+    @property
+    def quantized_len(self) -> int:
+        return self.codes.length
+
+    @property
+    def residual_len(self) -> int:
+        return 0 if self.residual is None else self.residual.shape[2]
+
+    @property
+    def seq_len(self):
+        return self.quantized_len + self.residual_len
+
+    def dequantize(self):
+        if self._shape is None:
+            return None
+        parts = []
+        if self.codes.length:
+            parts.append(_ops.dequantize(self.codes.view(), self.scale.view(), self.zero.view(),
+                                         self.spec.bits, self.spec.per_channel, self.dtype))
+        if self.residual_len:
+            parts.append(self.residual)
+        return torch.cat(parts, dim=2) if parts else self._empty()
+
+    def tensors(self):
+        return {"codes": self.codes.view(), "scale": self.scale.view(), "zero": self.zero.view(),
+                "residual": self.residual}
+
+    def _join_residual(self, x: torch.Tensor) -> torch.Tensor:
+        if self.check_finite and not torch.isfinite(x).all():
+            raise ValueError("argument 'x' contains NaN or Inf (cache check_finite=True)")
+        return x if self.residual is None else torch.cat([self.residual, x], dim=2)
+
+    def load_state_dict(self, state):
+        self._shape = None
+        self._check(state["residual"], "state['residual']")
+        self.residual = state["residual"]
+        for name in ("codes", "scale", "zero"):
+            getattr(self, name).reset(state.get(name))
+
+    def state_dict(self):
+        sd = super().state_dict()
+        if self._shape is not None and "residual" not in sd:
+            sd["residual"] = self._empty()
+        return sd
+
+
+class BlockFlushStream(_QuantStream):
+    """KIVI keys (per-channel): tokens wait in a full-precision buffer; whenever it holds
+    R tokens they are quantized together (R/G groups per channel) and the buffer empties.
+    A prefill of T tokens quantizes the first T - T mod R and buffers the rest."""
+
+    def append(self, x, name="x"):
+        self._check(x, name)
+        full = self._join_residual(x)
+        n = (full.shape[2] // self.R) * self.R
+        if n:
+            self._quantize_into_store(full[:, :, :n])
+        self.residual = full[:, :, n:].contiguous()
+
+
+class FifoStream(_QuantStream):
+    """KIVI values (per-token): a FIFO of the last R tokens stays full precision; tokens
+    pushed out of it are quantized on their own (per-token needs no other tokens).
+    R = 0 quantizes every token on arrival (naive per-token INT-b)."""
+
+    def append(self, x, name="x"):
+        self._check(x, name)
+        full = self._join_residual(x)
+        n = max(full.shape[2] - self.R, 0)
+        if n:
+            self._quantize_into_store(full[:, :, :n])
+        self.residual = full[:, :, n:].contiguous()
