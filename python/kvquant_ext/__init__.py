@@ -11,6 +11,7 @@ import torch  # noqa: F401  (must be imported before the extension library)
 
 from . import _ops as ops  # noqa: F401  (registers torch.ops.kvq.* and their fakes)
 from ._ops import dequantize, quantize
+from .attention import decode_attention
 from .cache import KVCache
 from .compressed import Compressed, FullPrecision, GroupQuantized
 from .config import (PRESETS, CompressionConfig, FP16Config, FlexGenConfig, GroupQuantConfig,
@@ -40,5 +41,5 @@ def compress(x: torch.Tensor, config, role: str, *, check_finite: bool = True) -
 __all__ = [
     "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
     "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PerTokenIntConfig",
-    "QuantSpec", "compress", "dequantize", "get_config", "quantize", "register_preset",
+    "QuantSpec", "compress", "decode_attention", "dequantize", "get_config", "quantize", "register_preset",
 ]
