@@ -1,0 +1,55 @@
+"""Timing helpers for the Python benchmarks: CUDA events, median of many samples, cold L2
+(a 2x-L2 buffer is overwritten before every sample), and the device-to-device copy
+bandwidth measured in the same run as the ceiling."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable, Dict
+
+import torch
+
+_FLUSH = None
+
+
+def _flush_l2():
+    global _FLUSH
+    if _FLUSH is None:
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        _FLUSH = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+    _FLUSH.fill_(1)
+
+
+def bench_gpu_time(fn: Callable[[], object], *, samples: int = 50, warmup: int = 3,
+                   cold_l2: bool = True) -> Dict[str, float]:
+    """Median/mean GPU time of ``fn()`` in microseconds (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(samples):
+        if cold_l2:
+            _flush_l2()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    med = statistics.median(times)
+    mean = statistics.fmean(times)
+    return {"us": med, "mean_us": mean, "noise": statistics.pstdev(times) / mean}
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth, bytes read + written per second."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda").fill_(3)
+    b = torch.empty_like(a)
+    t = bench_gpu_time(lambda: b.copy_(a), samples=30)
+    return 2 * nbytes / (t["us"] * 1e-6)
+
+
+def table(rows, headers) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    for r in rows:
+        out.append("| " + " | ".join(str(c) for c in r) + " |")
+    return "\n".join(out)

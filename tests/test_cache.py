@@ -1,0 +1,186 @@
+"""kvq.compress objects and the streaming kvq.KVCache (KIVI rule, METHODS.md §2)."""
+import io
+
+import pytest
+import torch
+
+import kvquant_ext as kvq
+from conftest import CUDA
+from reference.quant_reference import kivi_stream_ref, quantize_ref
+from test_group_quant import make_kv
+
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+GROUP_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "int2-per-token", "flexgen-4"]
+
+
+# ----------------------------------------------------------------------------- compress
+@pytest.mark.parametrize("preset", GROUP_PRESETS + ["fp16"])
+@pytest.mark.parametrize("role", ["key", "value"])
+@pytest.mark.parametrize("T", [1, 17, 100])
+def test_compress_roundtrip_and_bytes(preset, role, T):
+    x = make_kv(2, 2, T, 128, torch.float16)
+    c = kvq.compress(x, preset, role)
+    y = c.decompress()
+    assert y.shape == x.shape and y.dtype == x.dtype
+    n = x.numel()
+    assert c.bits_per_element == pytest.approx(8 * c.nbytes / n)
+    if preset == "fp16":
+        assert torch.equal(y, x) and c.nbytes == 2 * n
+        return
+    cfg = kvq.get_config(preset)
+    spec = cfg.spec(role)
+    # bytes formula: codes + fp16 scale/zero per group + full-precision tail
+    tq = T - T % spec.group_size if spec.per_channel and spec.group_size > 0 else T
+    G = spec.group_size if spec.group_size > 0 else (tq if spec.per_channel else 128)
+    ngroups = (tq // G) * 128 if spec.per_channel else tq * (128 // G)
+    expect = 2 * 2 * (tq * 128 * spec.bits // 8 + 2 * 2 * ngroups + (T - tq) * 128 * 2)
+    assert c.nbytes == expect
+    # the full-precision tail is exact; the rest within half a step (+fp16 output rounding)
+    assert torch.equal(y[:, :, tq:], x[:, :, tq:])
+    err = (y[:, :, :tq].float() - x[:, :, :tq].float()).abs()
+    _, s, _ = quantize_ref(x[:, :, :tq], spec.bits, spec.group_size, spec.per_channel)
+    if tq:
+        bound = s.float().max() / 2 + x.float().abs().max() * 2 ** -11
+        assert err.max() <= bound
+
+
+def test_bits_per_element_table():
+    """T=2048, D=128: the bits/element stated in the README."""
+    x = make_kv(1, 8, 2048, 128, torch.float16)
+    got = {p: (kvq.compress(x, p, "key").bits_per_element + kvq.compress(x, p, "value").bits_per_element) / 2
+           for p in GROUP_PRESETS}
+    assert got["kivi-2"] == pytest.approx(3.0)        # 2 + 32/32 (keys and values)
+    assert got["kivi-4"] == pytest.approx(5.0)
+    assert got["kcvt-4"] == pytest.approx(4 + (32 / 2048 + 32 / 128) / 2)
+    assert got["int4-per-token"] == pytest.approx(4.25)
+    assert got["flexgen-4"] == pytest.approx(4.5)
+
+
+def test_compress_errors():
+    x = make_kv(1, 2, 64, 128, torch.float16)
+    with pytest.raises(ValueError, match="'role'"):
+        kvq.compress(x, "kivi-2", "query")
+    with pytest.raises(ValueError, match="unknown preset"):
+        kvq.compress(x, "kivi-3", "key")
+    with pytest.raises(ValueError, match=r"'x' must have shape \[B, H, T, D\]"):
+        kvq.compress(x[0], "kivi-2", "key")
+    with pytest.raises(TypeError, match="'x'"):
+        kvq.compress(x.to(torch.int32), "kivi-2", "key")
+    with pytest.raises(ValueError, match="'bits'"):
+        kvq.KIVIConfig(bits=3)
+    with pytest.raises(ValueError, match="'residual_length'"):
+        kvq.KIVIConfig(bits=2, group_size=32, residual_length=48)
+    y = x.clone()
+    y[0, 0, 70 % 64, 3] = float("nan")
+    with pytest.raises((RuntimeError, ValueError), match="NaN"):
+        kvq.compress(y, "kivi-2", "key")
+
+
+# ----------------------------------------------------------------------------- streaming
+def _stream_check(stream, appended, R, spec):
+    """Stored scales equal the reference's per-block scales bit for bit (so the grouping
+    boundaries are right), the residual is the exact last tokens, and every quantized entry
+    is within half a step."""
+    blocks, residual = kivi_stream_ref(appended, R, spec.per_channel)
+    full = torch.cat(appended, dim=2)
+    assert stream.residual_len == residual.shape[2]
+    assert torch.equal(stream.residual, residual)
+    nq = sum(b.shape[2] for b in blocks)
+    assert stream.quantized_len == nq
+    if nq:
+        G = spec.group_size if spec.group_size > 0 else R
+        ref_scales = torch.cat([quantize_ref(b, spec.bits, G if spec.per_channel else spec.group_size,
+                                             spec.per_channel)[1] for b in blocks], dim=2)
+        assert torch.equal(stream.scale.view().cpu(), ref_scales)
+    deq = stream.dequantize()
+    assert deq.shape == full.shape
+    assert torch.equal(deq[:, :, nq:], full[:, :, nq:])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "flexgen-4"])
+@pytest.mark.parametrize("prefill", [1, 100, 300])
+def test_streaming_rule(device, preset, prefill):
+    cfg = kvq.get_config(preset)
+    cache = kvq.KVCache(cfg)
+    B, H, D = 2, 2, 64
+    ks, vs = [], []
+    k, v = make_kv(B, H, prefill, D, torch.float16, device), make_kv(B, H, prefill, D, torch.float16, device)
+    cache.update(k, v, 0)
+    ks.append(k), vs.append(v)
+    for step in range(260):
+        k, v = make_kv(B, H, 1, D, torch.float16, device), make_kv(B, H, 1, D, torch.float16, device)
+        cache.update(k, v, 0)
+        ks.append(k), vs.append(v)
+        if step in (0, 27, 128, 259):
+            layer = cache.layers[0]
+            _stream_check(layer.key, ks, cfg.residual_length, cfg.key_spec())
+            _stream_check(layer.value, vs, cfg.residual_length, cfg.value_spec())
+    assert cache.get_seq_length(0) == prefill + 260
+    K, V = cache.dequantize(0)
+    assert K.shape == (B, H, prefill + 260, D)
+
+
+def test_kivi_prefill_split_example():
+    """Prefill of T=300 with R=128: keys quantize 256 and keep 44; values keep 128."""
+    cache = kvq.KVCache("kivi-2")
+    cache.update(make_kv(1, 2, 300, 128, torch.float16), make_kv(1, 2, 300, 128, torch.float16), 0)
+    key, value = cache.layers[0].key, cache.layers[0].value
+    assert (key.quantized_len, key.residual_len) == (256, 44)
+    assert (value.quantized_len, value.residual_len) == (172, 128)
+    for _ in range(84):
+        cache.update(make_kv(1, 2, 1, 128, torch.float16), make_kv(1, 2, 1, 128, torch.float16), 0)
+    assert (key.quantized_len, key.residual_len) == (384, 0)  # buffer flushed at R
+    assert (value.quantized_len, value.residual_len) == (256, 128)
+
+
+def test_cache_nbytes_and_multilayer():
+    cache = kvq.KVCache("kivi-2", num_layers=3)
+    for layer in range(3):
+        cache.update(make_kv(1, 2, 256, 128, torch.float16), make_kv(1, 2, 256, 128, torch.float16), layer)
+    # keys: 256 quantized (2 bits + 1 bit of scale/zero per element); values 128 quantized + 128 fp16
+    per_layer = 2 * 256 * 128 * 3 // 8 + 2 * (128 * 128 * 3 // 8 + 128 * 128 * 2)
+    assert cache.nbytes == 3 * per_layer
+    assert cache.get_seq_length(2) == 256 and cache.get_seq_length(5) == 0
+
+
+def test_cache_state_dict_roundtrip():
+    cache = kvq.KVCache("kivi-2")
+    for layer in range(2):
+        cache.update(make_kv(2, 2, 150, 64, torch.float16), make_kv(2, 2, 150, 64, torch.float16), layer)
+        cache.update(make_kv(2, 2, 1, 64, torch.float16), make_kv(2, 2, 1, 64, torch.float16), layer)
+    buf = io.BytesIO()
+    torch.save(cache.state_dict(), buf)
+    buf.seek(0)
+    other = kvq.KVCache(kvq.get_config("kivi-2"))
+    other.load_state_dict(torch.load(buf))
+    for layer in range(2):
+        for a, b in zip(cache.dequantize(layer), other.dequantize(layer)):
+            assert torch.equal(a, b)
+    assert other.nbytes == cache.nbytes
+    # streaming continues identically after the round trip
+    k, v = make_kv(2, 2, 40, 64, torch.float16), make_kv(2, 2, 40, 64, torch.float16)
+    cache.update(k, v, 0)
+    other.update(k, v, 0)
+    assert torch.equal(cache.dequantize(0)[0], other.dequantize(0)[0])
+    with pytest.raises(ValueError, match="config"):
+        kvq.KVCache("kivi-4").load_state_dict(cache.state_dict())
+
+
+def test_cache_bad_updates():
+    cache = kvq.KVCache("kivi-2")
+    cache.update(make_kv(1, 2, 10, 64, torch.float16), make_kv(1, 2, 10, 64, torch.float16), 0)
+    with pytest.raises(ValueError, match="'key' has shape"):
+        cache.update(make_kv(1, 3, 1, 64, torch.float16), make_kv(1, 3, 1, 64, torch.float16), 0)
+    with pytest.raises(TypeError, match="'key' has dtype"):
+        cache.update(make_kv(1, 2, 1, 64, torch.float32), make_kv(1, 2, 1, 64, torch.float32), 0)
+    with pytest.raises(ValueError, match="'layer_idx'"):
+        cache.update(make_kv(1, 2, 1, 64, torch.float16), make_kv(1, 2, 1, 64, torch.float16), -1)
+    with pytest.raises(IndexError, match="'layer_idx'"):
+        cache.dequantize(4)
+    with pytest.raises(TypeError, match="'config'"):
+        kvq.KVCache(42)
+    bad = make_kv(1, 2, 1, 64, torch.float16)
+    bad[0, 0, 0, 0] = float("inf")
+    with pytest.raises((RuntimeError, ValueError), match="NaN or Inf"):
+        cache.update(bad, make_kv(1, 2, 1, 64, torch.float16), 0)

@@ -1,0 +1,219 @@
+"""kvq.quantize / kvq.dequantize against the plain-PyTorch reference, on CPU and CUDA."""
+import pytest
+import torch
+
+import kvquant_ext as kvq
+from conftest import CUDA, requires_cuda
+from reference.quant_reference import (dequantize_ref, expand_scale, pack_ref, quantize_ref,
+                                       unpack_ref)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+BITS = [2, 4, 8]
+HEAD_DIMS = [64, 128, 256]
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def make_kv(B, H, T, D, dtype, device="cpu", outlier_channels=True):
+    """Random cache-like data: heavy-tailed, with a few outlier channels (like real keys)."""
+    x = torch.randn(B, H, T, D) * (1 + torch.rand(B, H, 1, D))
+    if outlier_channels and D >= 8:
+        x[..., ::17] *= 8.0
+    x = x + torch.randn(B, H, 1, D)  # per-channel offsets
+    return x.to(dtype).to(device)
+
+
+def check_against_ref(x, bits, G, per_channel, codes, scale, zero):
+    rc, rs, rz = quantize_ref(x.cpu(), bits, G, per_channel)
+    # scale/zero bit-identical to the reference (same fp16 directed rounding)
+    assert torch.equal(scale.cpu().view(torch.int16), rs.view(torch.int16))
+    assert torch.equal(zero.cpu().view(torch.int16), rz.view(torch.int16))
+    mine = unpack_ref(codes.cpu(), bits)
+    diff = (mine - rc).abs()
+    assert diff.max() <= 1, "codes differ from the reference by more than 1"
+    assert (diff > 0).float().mean() < 1e-3, "too many rounding-tie differences"
+    # error bound: every entry within half a quantization step of its group
+    deq = dequantize_ref(mine, scale.cpu(), zero.cpu(), per_channel)
+    s = expand_scale(scale.cpu(), mine.shape, per_channel)
+    err = (deq - x.cpu().float()).abs()
+    tol = s / 2 * (1 + 1e-5) + 1e-6 * x.cpu().float().abs()
+    assert (err <= tol).all(), f"max excess {(err - tol).max()}"
+    return mine
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("per_channel,G", [(True, 32), (True, -1), (False, 32), (False, -1), (False, 64)])
+def test_quantize_matches_reference(device, dtype, bits, D, per_channel, G):
+    T = 64 if per_channel else 17
+    x = make_kv(2, 3, T, D, dtype, device)
+    codes, scale, zero = kvq.quantize(x, bits, G, per_channel)
+    assert codes.shape == (2, 3, T, D * bits // 32) and codes.dtype == torch.int32
+    ng = (T // (T if G == -1 else G)) if per_channel else None
+    assert scale.shape == ((2, 3, ng, D) if per_channel else (2, 3, T, D // (D if G == -1 else G)))
+    assert scale.dtype == zero.dtype == torch.float16
+    mine = check_against_ref(x, bits, G, per_channel, codes, scale, zero)
+    # packed layout is exactly LSB-first along D
+    assert torch.equal(codes.cpu(), pack_ref(mine, bits))
+    out = kvq.dequantize(codes, scale, zero, bits, per_channel, dtype)
+    assert out.dtype == dtype and out.shape == x.shape and out.device == x.device
+    expect = dequantize_ref(mine, scale.cpu(), zero.cpu(), per_channel).to(dtype)
+    torch.testing.assert_close(out.cpu(), expect, rtol=0, atol=0) if device == "cpu" else \
+        torch.testing.assert_close(out.cpu().float(), expect.float(), rtol=2e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 17, 1025])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_odd_token_counts(T, dtype):
+    x = make_kv(1, 2, T, 128, dtype)
+    for bits in BITS:
+        # per-token: any T
+        c, s, z = kvq.quantize(x, bits, 32, False)
+        check_against_ref(x, bits, 32, False, c, s, z)
+        # per-channel whole axis (KCVT): any T
+        c, s, z = kvq.quantize(x, bits, -1, True)
+        assert s.shape == (1, 2, 1, 128)
+        check_against_ref(x, bits, -1, True, c, s, z)
+
+
+def test_empty_and_single_token():
+    x = torch.randn(2, 2, 0, 64)
+    c, s, z = kvq.quantize(x, 2, 32, True)
+    assert c.shape == (2, 2, 0, 4) and s.shape == (2, 2, 0, 64)
+    assert kvq.dequantize(c, s, z, 2, True, torch.float32).shape == (2, 2, 0, 64)
+    c, s, z = kvq.quantize(x, 4, 32, False)
+    assert kvq.dequantize(c, s, z, 4, False, torch.float32).shape == (2, 2, 0, 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_non_contiguous_input(device, per_channel):
+    base = torch.randn(2, 64, 4, 128, dtype=torch.float16, device=device)  # [B, T, H, D]
+    x = base.transpose(1, 2)  # [B, H, T, D], non-contiguous
+    assert not x.is_contiguous()
+    c1, s1, z1 = kvq.quantize(x, 4, 32, per_channel)
+    c2, s2, z2 = kvq.quantize(x.contiguous(), 4, 32, per_channel)
+    assert torch.equal(c1, c2) and torch.equal(s1, s2) and torch.equal(z1, z2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_constant_groups_dequantize_exactly(device, dtype, bits):
+    # constants representable in fp16 (the storage type of zero points)
+    vals = torch.tensor([0.0, -3.5, 1.25, 1000.0, -0.0078125])
+    xc = vals[torch.randint(0, len(vals), (1, 2, 1, 128))].expand(1, 2, 64, 128)  # per channel
+    xt = vals[torch.randint(0, len(vals), (1, 2, 64, 4))].repeat_interleave(32, dim=-1)  # per token group
+    for per_channel, G, x in [(True, 32, xc), (False, 32, xt)]:
+        x = x.to(dtype).to(device)
+        c, s, z = kvq.quantize(x, bits, G, per_channel)
+        out = kvq.dequantize(c, s, z, bits, per_channel, dtype)
+        assert torch.equal(out, x)
+        assert (s == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_saturation_extremes(device):
+    # groups spanning the whole fp16 range quantize without overflow
+    x = torch.randn(1, 1, 32, 64, device=device) * 100
+    x[0, 0, 0, :] = 65504.0
+    x[0, 0, 1, :] = -65504.0
+    for bits in BITS:
+        c, s, z = kvq.quantize(x, bits, 32, True)
+        check_against_ref(x, bits, 32, True, c, s, z)
+        assert torch.isfinite(kvq.dequantize(c, s, z, bits, True, torch.float32)).all()
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_errors(device):
+    x = torch.randn(1, 2, 64, 128, device=device)
+    with pytest.raises(RuntimeError, match="'x'.*float16, bfloat16 or float32"):
+        kvq.quantize(x.to(torch.int32), 2, 32, True)
+    with pytest.raises(RuntimeError, match="'x'.*at least 2 dimensions"):
+        kvq.quantize(x[0, 0, 0], 2, 32, True)
+    with pytest.raises(RuntimeError, match="'bits'.*2, 4 or 8"):
+        kvq.quantize(x, 3, 32, True)
+    with pytest.raises(RuntimeError, match="'group_size'.*multiple"):
+        kvq.quantize(x, 2, 48, False)
+    with pytest.raises(RuntimeError, match="'group_size'.*token count"):
+        kvq.quantize(x[:, :, :50], 2, 32, True)
+    with pytest.raises(RuntimeError, match="'group_size'.*positive"):
+        kvq.quantize(x, 2, 0, True)
+    with pytest.raises(RuntimeError, match="'x'.*head\\) dimension"):
+        kvq.quantize(torch.randn(1, 1, 32, 96, device=device), 2, 32, True)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[0, 1, 5, 7] = bad
+        with pytest.raises(RuntimeError, match="'x' contains NaN or Inf"):
+            kvq.quantize(y, 2, 32, True)
+    with pytest.raises(RuntimeError, match="65504"):
+        kvq.quantize(x * 1e6, 4, 32, False)
+    c, s, z = kvq.quantize(x, 2, 32, True)
+    with pytest.raises(RuntimeError, match="'dtype'"):
+        kvq.dequantize(c, s, z, 2, True, torch.int8)
+    with pytest.raises(RuntimeError, match="'scale'.*dtype"):
+        kvq.dequantize(c, s.float(), z, 2, True, torch.float16)
+    with pytest.raises(RuntimeError, match="'zero'.*shape"):
+        kvq.dequantize(c, s, z[:, :1], 2, True, torch.float16)
+
+
+def test_nan_with_check_disabled_spoils_only_its_group():
+    x = make_kv(1, 1, 64, 128, torch.float32)
+    y = x.clone()
+    y[0, 0, 3, 10] = float("inf")
+    for per_channel in (True, False):
+        c, s, z = kvq.quantize(y, 4, 32, per_channel, check_finite=False)
+        c0, s0, z0 = kvq.quantize(x, 4, 32, per_channel)
+        out = kvq.dequantize(c, s, z, 4, per_channel, torch.float32)
+        ref = kvq.dequantize(c0, s0, z0, 4, per_channel, torch.float32)
+        same = out == ref
+        if per_channel:  # group = tokens 0..31 of channel 10
+            same[0, 0, 0:32, 10] = True
+        else:  # group = channels 0..31 of token 3
+            same[0, 0, 3, 0:32] = True
+        assert same.all()
+
+
+@requires_cuda
+def test_cpu_cuda_mismatch_errors():
+    c, s, z = kvq.quantize(torch.randn(1, 1, 32, 64), 2, 32, True)
+    with pytest.raises(RuntimeError, match="'scale' is on"):
+        kvq.dequantize(c.cuda(), s, z, 2, True, torch.float16)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("per_channel,G", [(True, 32), (True, 128), (True, -1), (False, 32), (False, -1)])
+def test_cuda_equals_cpu(dtype, bits, per_channel, G):
+    x = make_kv(3, 4, 1024, 128, dtype)
+    c1, s1, z1 = kvq.quantize(x, bits, G, per_channel)
+    c2, s2, z2 = kvq.quantize(x.cuda(), bits, G, per_channel)
+    assert torch.equal(s1, s2.cpu()) and torch.equal(z1, z2.cpu())
+    d = (unpack_ref(c1, bits) - unpack_ref(c2.cpu(), bits)).abs()
+    assert d.max() <= 1 and (d > 0).float().mean() < 1e-4
+    o1 = kvq.dequantize(c2.cpu(), s2.cpu(), z2.cpu(), bits, per_channel, dtype)
+    o2 = kvq.dequantize(c2, s2, z2, bits, per_channel, dtype)
+    torch.testing.assert_close(o2.cpu().float(), o1.float(), rtol=2e-3, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- opcheck
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    x = make_kv(2, 2, 64, 128, torch.float16, device)
+    for per_channel in (True, False):
+        torch.library.opcheck(torch.ops.kvq.quantize.default, (x, 4, 32, per_channel, True))
+        c, s, z = kvq.quantize(x, 4, 32, per_channel)
+        torch.library.opcheck(torch.ops.kvq.dequantize.default, (c, s, z, 4, per_channel, torch.float16))
+
+
+def test_torch_compile_smoke():
+    def f(x):
+        c, s, z = kvq.quantize(x, 2, 32, True)
+        return kvq.dequantize(c, s, z, 2, True, x.dtype) - x
+
+    x = make_kv(1, 2, 64, 64, torch.float32)
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, f(x))
