@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: build for sm_90, run the CUDA tests, run the benchmarks; logs to $OUT.
+#   bash bench/gpu_run.sh [pytest -k expr] [bench names...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+K=${1:-}; shift || true
+t0=$(date +%s); ts() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
+ts "device"; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1
+ts "build extension"
+python3 -m pip install --no-build-isolation --no-deps -v . -C build-dir=build/gpu > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+grep -E "kvquant-ext:|CMake Error|Successfully installed" "$OUT/build.log"
+ts "build C++ benches"
+(cmake -S . -B build/kern -G Ninja -DKVQ_KERNELS_ONLY=ON > "$OUT/kern.log" 2>&1 && cmake --build build/kern -j 16 >> "$OUT/kern.log" 2>&1) || tail -30 "$OUT/kern.log"
+ts "CUDA tests"
+if [ -n "$K" ]; then python3 -m pytest -q -x tests -k "$K" -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
+else python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25; fi
+for b in "$@"; do
+  ts "bench $b"
+  case "$b" in
+    *.py) python3 "bench/$b" 2>&1 | tee -a "$OUT/bench.log" ;;
+    *) "./build/kern/bench/$b" 2>&1 | tee -a "$OUT/bench.log" ;;
+  esac
+done
+ts "done"
