@@ -36,6 +36,33 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& scale, con
   return c.out;
 }
 
+// ---- HQMQ (format: include/kvq/vq/quaternion_vq.h) ----
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cuda(
+    const at::Tensor& x, const at::Tensor& secondary, int64_t radius_bits,
+    const c10::optional<at::Tensor>& outlier_threshold, bool check_finite) {
+  c10::cuda::CUDAGuard guard(x.device());
+  HqmqEncodeCall c = prepare_hqmq_encode(x, secondary, radius_bits, outlier_threshold, check_finite);
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto dt = dtype_id(c.x.scalar_type());
+  KVQ_CUDA_CALL("hqmq_encode", vq::hqmq_encode_cuda(c.params, dt, stream));
+  if (check_finite) raise_status("hqmq_encode", "x", c.status.item<int32_t>());
+  if (hqmq_prepare_records(c) > 0)  // syncs once for the record count (Med3x only)
+    KVQ_CUDA_CALL("hqmq_encode", vq::hqmq_write_records_cuda(c.params, dt, stream));
+  return {c.codes, c.scale, c.outliers};
+}
+
+at::Tensor hqmq_decode_cuda(const at::Tensor& codes, const at::Tensor& scale,
+                            const at::Tensor& secondary, const at::Tensor& outliers,
+                            int64_t radius_bits, int64_t head_dim, at::ScalarType dtype) {
+  c10::cuda::CUDAGuard guard(codes.device());
+  HqmqDecodeCall c =
+      prepare_hqmq_decode(codes, scale, secondary, outliers, radius_bits, head_dim, dtype);
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL("hqmq_decode", vq::hqmq_decode_cuda(c.params, dtype_id(dtype), stream));
+  return c.out;
+}
+// ---- end HQMQ ----
+
 }  // namespace kvq
 
 TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
@@ -44,6 +71,8 @@ TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
   // ---- GEAR CUDA impls ----
   // ---- end GEAR CUDA impls ----
   // ---- HQMQ CUDA impls ----
+  m.impl("hqmq_encode", &kvq::hqmq_encode_cuda);
+  m.impl("hqmq_decode", &kvq::hqmq_decode_cuda);
   // ---- end HQMQ CUDA impls ----
   // ---- decode attention CUDA impls ----
   // ---- end decode attention CUDA impls ----

@@ -5,6 +5,7 @@
 #include <tuple>
 
 #include "kvq/quant/group_quant.h"
+#include "kvq/vq/quaternion_vq.h"
 
 namespace kvq {
 
@@ -37,5 +38,42 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
 at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
                            int64_t bits, bool per_channel, at::ScalarType dtype);
 #endif
+
+// ----- HQMQ (csrc/hqmq.cpp) -----
+/// Validated arguments, outputs and scratch of one hqmq_encode call.
+struct HqmqEncodeCall {
+  at::Tensor x, secondary, threshold, codes, scale, status, flag_mask, flag_count, offsets,
+      outliers;
+  vq::HqmqParams params;
+};
+HqmqEncodeCall prepare_hqmq_encode(const at::Tensor& x, const at::Tensor& secondary,
+                                   int64_t radius_bits,
+                                   const c10::optional<at::Tensor>& outlier_threshold,
+                                   bool check_finite);
+/// Exclusive prefix of the outlier counts (syncs once: the record count M) and the
+/// [M, 4] record output; returns M.
+int64_t hqmq_prepare_records(HqmqEncodeCall& c);
+struct HqmqDecodeCall {
+  at::Tensor codes, scale, secondary, outliers, out;
+  vq::HqmqParams params;
+};
+HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& scale,
+                                   const at::Tensor& secondary, const at::Tensor& outliers,
+                                   int64_t radius_bits, int64_t head_dim, at::ScalarType dtype);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cpu(
+    const at::Tensor& x, const at::Tensor& secondary, int64_t radius_bits,
+    const c10::optional<at::Tensor>& outlier_threshold, bool check_finite);
+at::Tensor hqmq_decode_cpu(const at::Tensor& codes, const at::Tensor& scale,
+                           const at::Tensor& secondary, const at::Tensor& outliers,
+                           int64_t radius_bits, int64_t head_dim, at::ScalarType dtype);
+#ifdef KVQ_WITH_CUDA
+std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cuda(
+    const at::Tensor& x, const at::Tensor& secondary, int64_t radius_bits,
+    const c10::optional<at::Tensor>& outlier_threshold, bool check_finite);
+at::Tensor hqmq_decode_cuda(const at::Tensor& codes, const at::Tensor& scale,
+                            const at::Tensor& secondary, const at::Tensor& outliers,
+                            int64_t radius_bits, int64_t head_dim, at::ScalarType dtype);
+#endif
+// ----- end HQMQ -----
 
 }  // namespace kvq

@@ -21,6 +21,14 @@ TORCH_LIBRARY(kvq, m) {
   // ---- GEAR ops (outlier_select, lowrank_power_iter, gear_compress, gear_decompress) ----
   // ---- end GEAR ops ----
   // ---- HQMQ ops (hqmq_encode, hqmq_decode) ----
+  // x: [..., H, T, D] (D in {32,64,128,256}), secondary fp32 [H, S, 4] ->
+  //   codes int32 [..., H, T, W] (W = ceil(D/4 * (ceil(log2(24S)) + radius_bits) / 32)),
+  //   scale fp16 [..., H, T], outliers int32 [M, 4] (Med3x records; M = 0 without a
+  //   threshold).  Layout: include/kvq/vq/quaternion_vq.h and docs/ops.md.
+  m.def("hqmq_encode(Tensor x, Tensor secondary, int radius_bits, Tensor? outlier_threshold=None,"
+        " bool check_finite=True) -> (Tensor codes, Tensor scale, Tensor outliers)");
+  m.def("hqmq_decode(Tensor codes, Tensor scale, Tensor secondary, Tensor outliers,"
+        " int radius_bits, int head_dim, ScalarType dtype) -> Tensor");
   // ---- end HQMQ ops ----
   // ---- decode attention ops ----
   // ---- end decode attention ops ----
@@ -32,6 +40,8 @@ TORCH_LIBRARY_IMPL(kvq, CPU, m) {
   // ---- GEAR CPU impls ----
   // ---- end GEAR CPU impls ----
   // ---- HQMQ CPU impls ----
+  m.impl("hqmq_encode", &kvq::hqmq_encode_cpu);
+  m.impl("hqmq_decode", &kvq::hqmq_decode_cpu);
   // ---- end HQMQ CPU impls ----
   // ---- decode attention CPU impls ----
   // ---- end decode attention CPU impls ----

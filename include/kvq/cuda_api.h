@@ -5,6 +5,7 @@
 
 #include "kvq/common/dispatch.h"
 #include "kvq/quant/group_quant.h"
+#include "kvq/vq/quaternion_vq.h"
 
 namespace kvq {
 namespace quant {
@@ -15,4 +16,46 @@ cudaError_t group_quantize_cuda(const GroupQuantParams& p, DTypeId dtype, cudaSt
 cudaError_t group_dequantize_cuda(const GroupQuantParams& p, DTypeId dtype, cudaStream_t stream);
 
 }  // namespace quant
+}  // namespace kvq
+
+// ---- HQMQ (csrc/cuda/hqmq_kernels.cu) ----
+namespace kvq {
+namespace vq {
+
+/// \brief Dense HQMQ encode of p.x into p.codes / p.scale (+ outlier mask/count scratch).
+cudaError_t hqmq_encode_cuda(const HqmqParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief Write the Med3x outlier records (needs p.offsets, p.flag_mask, p.outliers).
+cudaError_t hqmq_write_records_cuda(const HqmqParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief Decode p.codes / p.scale and apply the outlier records into p.out.
+cudaError_t hqmq_decode_cuda(const HqmqParams& p, DTypeId dtype, cudaStream_t stream);
+
+}  // namespace vq
+}  // namespace kvq
+
+// ---- GEAR (csrc/cuda/{outlier_topk,power_svd,gear}_kernels.cu) ----
+#include "kvq/gear/gear.h"
+#include "kvq/linalg/power_svd.h"
+#include "kvq/select/outlier_topk.h"
+
+namespace kvq {
+namespace select {
+/// \brief Top/bottom-k of every vector into p.values / p.indices (+ p.bounds if set).
+cudaError_t outlier_select_cuda(const OutlierSelectParams& p, DTypeId dtype, int index_bytes,
+                                cudaStream_t stream);
+}  // namespace select
+namespace linalg {
+/// \brief Rank-r factors A, B of every [T, d] matrix of p.x (power iteration).
+cudaError_t power_iter_cuda(const PowerIterParams& p, DTypeId dtype, cudaStream_t stream);
+}  // namespace linalg
+namespace gear {
+/// \brief p.xc = clamp(p.x, bounds) (+ finite check of p.x into p.status).
+cudaError_t gear_clamp_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief p.resid = fp16(xc - dequant(p.q)).
+cudaError_t gear_residual_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief p.resid = 0 at the outlier positions.
+cudaError_t gear_zero_outliers_cuda(const GearParams& p, int index_bytes, cudaStream_t stream);
+/// \brief p.out = dequant(p.q) + A B^T, then outliers scattered in.
+cudaError_t gear_decompress_cuda(const GearParams& p, DTypeId dtype, int index_bytes,
+                                 cudaStream_t stream);
+}  // namespace gear
 }  // namespace kvq

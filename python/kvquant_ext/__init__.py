@@ -13,6 +13,9 @@ from . import _ops as ops  # noqa: F401  (registers torch.ops.kvq.* and their fa
 from ._ops import dequantize, quantize
 from .attention import decode_attention
 from .cache import KVCache
+from ._ops import hqmq_decode, hqmq_encode  # noqa: E402
+from .config import HQMQConfig  # noqa: E402
+from .hqmq import HQMQCompressed, HQMQStream, hqmq_secondary  # noqa: E402
 from .compressed import Compressed, FullPrecision, GroupQuantized
 from .config import (PRESETS, CompressionConfig, FP16Config, FlexGenConfig, GroupQuantConfig,
                      KCVTConfig, KIVIConfig, PerTokenIntConfig, QuantSpec, get_config,
@@ -39,6 +42,7 @@ def compress(x: torch.Tensor, config, role: str, *, check_finite: bool = True) -
 
 
 __all__ = [
+    "HQMQCompressed", "HQMQConfig", "HQMQStream", "hqmq_decode", "hqmq_encode", "hqmq_secondary",
     "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
     "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PerTokenIntConfig",
     "QuantSpec", "compress", "decode_attention", "dequantize", "get_config", "quantize", "register_preset",

@@ -11,9 +11,23 @@ from .config import CompressionConfig
 class LayerCache:
     """Keys and values of one layer, each a :class:`~kvquant_ext.streams.Stream`."""
 
-    def __init__(self, config: CompressionConfig, check_finite: bool):
-        self.key = config.new_stream("key", check_finite=check_finite)
-        self.value = config.new_stream("value", check_finite=check_finite)
+    def __init__(self, config: CompressionConfig, check_finite: bool, layer_idx: int = 0):
+        self.key = _new_stream(config, "key", check_finite, layer_idx)
+        self.value = _new_stream(config, "value", check_finite, layer_idx)
+
+
+def _new_stream(config: CompressionConfig, role: str, check_finite: bool, layer_idx: int):
+    """``config.new_stream(role, ...)``, passing ``layer_idx`` only to configs whose
+    ``new_stream`` accepts it (e.g. HQMQ, whose codebooks differ per layer)."""
+    import inspect
+    try:
+        params = inspect.signature(config.new_stream).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        params = {}
+    if "layer_idx" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                    for p in params.values()):
+        return config.new_stream(role, check_finite=check_finite, layer_idx=layer_idx)
+    return config.new_stream(role, check_finite=check_finite)
 
 
 class KVCache:
@@ -46,7 +60,7 @@ class KVCache:
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"argument 'layer_idx' must be a non-negative int, got {layer_idx!r}")
         while len(self.layers) <= layer_idx:
-            self.layers.append(LayerCache(self.config, self.check_finite))
+            self.layers.append(LayerCache(self.config, self.check_finite, len(self.layers)))
         return self.layers[layer_idx]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:

@@ -240,3 +240,51 @@ def get_config(name: str) -> CompressionConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"argument 'name': unknown preset {name!r}; known: {sorted(PRESETS)}") from None
+
+
+# ----------------------------------------------------------------------------- HQMQ
+@dataclass(frozen=True)
+class HQMQConfig(CompressionConfig):
+    """HQMQ: Hurwitz quaternion multiplicative quantization of every 4-element chunk
+    (direction: nearest of 24 x ``secondary_size`` codewords p.s; radius: ``radius_bits``
+    uniform against the token's largest non-outlier chunk radius), optionally with Med3x
+    outliers (``outlier_factor`` x the per-head median chunk norm, stored exactly).
+
+    Keys and values are treated alike; every token is encoded on arrival.  The secondary
+    sets differ per (layer, KV head, role) and derive from ``seed`` (see
+    :func:`kvquant_ext.hqmq.derive_seed`).
+    """
+
+    secondary_size: int = 96
+    radius_bits: int = 4
+    outlier_factor: "Optional[float]" = None
+    seed: int = 0
+    method: ClassVar[str] = "hqmq"
+
+    def __post_init__(self):
+        import math
+        s, b, f = self.secondary_size, self.radius_bits, self.outlier_factor
+        if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 2048:
+            raise ValueError(f"argument 'secondary_size' must be an int in 1..2048, got {s!r}")
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8:
+            raise ValueError(f"argument 'radius_bits' must be an int in 1..8, got {b!r}")
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
+                              or not math.isfinite(f) or f <= 0):
+            raise ValueError(f"argument 'outlier_factor' must be None or a finite number > 0, got {f!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"argument 'seed' must be a non-negative int, got {self.seed!r}")
+
+    def compress(self, x, role, *, check_finite=True, layer_idx: int = 0):
+        from .hqmq import HQMQCompressed
+        _check_role(role)
+        return HQMQCompressed.from_tensor(x, self, role, layer_idx=layer_idx,
+                                          check_finite=check_finite)
+
+    def new_stream(self, role, *, check_finite=True, layer_idx: int = 0):
+        from .hqmq import HQMQStream
+        _check_role(role)
+        return HQMQStream(self, role, layer_idx=layer_idx, check_finite=check_finite)
+
+
+PRESETS["hqmq-3.79"] = HQMQConfig(secondary_size=96, radius_bits=4)
+PRESETS["hqmq-5"] = HQMQConfig(secondary_size=192, radius_bits=6, outlier_factor=3.0)

@@ -1,0 +1,179 @@
+"""HQMQ (Hurwitz quaternion multiplicative quantization, + Med3x outliers): secondary
+codebooks, the compressed-block object and the streaming cache storage.
+
+Storage per token-head vector (see ``docs/ops.md`` for the bit layout): ``W`` packed
+32-bit words of ``F = ceil(log2(24 S)) + b_r`` bit fields (one per 4-element chunk), one
+fp16 radius scale, and, with Med3x, one 16-byte record per outlier chunk.  Every held
+tensor is counted in ``nbytes``, including the secondary set and the outlier threshold.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, Optional
+
+import torch
+
+from . import _ops
+from .compressed import Compressed, check_cache_tensor
+from .streams import Growable, Stream
+
+_ROLE_IDS = {"key": 0, "value": 1}
+
+
+def derive_seed(seed: int, layer_idx: int, role: str) -> int:
+    """Seed of the secondary sets of one (layer, role): a hash of (seed, layer_idx, role)."""
+    if role not in _ROLE_IDS:
+        raise ValueError(f"argument 'role' must be 'key' or 'value', got {role!r}")
+    if not isinstance(layer_idx, int) or layer_idx < 0:
+        raise ValueError(f"argument 'layer_idx' must be a non-negative int, got {layer_idx!r}")
+    h = hashlib.sha256(f"kvq-hqmq:{int(seed)}:{layer_idx}:{role}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def hqmq_secondary(num_heads: int, secondary_size: int, seed: int, *, layer_idx: int = 0,
+                   role: str = "key", device=None) -> torch.Tensor:
+    """The secondary sets ``[H, S, 4]`` (fp32 unit quaternions, normalized Gaussian draws)
+    of one (layer, role), one set per KV head.  Drawn on the CPU with a seeded
+    ``torch.Generator`` so they are identical on every device."""
+    if secondary_size < 1:
+        raise ValueError(f"argument 'secondary_size' must be >= 1, got {secondary_size}")
+    g = torch.Generator(device="cpu")
+    g.manual_seed(derive_seed(seed, layer_idx, role))
+    q = torch.randn((num_heads, secondary_size, 4), generator=g, dtype=torch.float64)
+    q = q / q.norm(dim=-1, keepdim=True)
+    return q.to(dtype=torch.float32, device=device)
+
+
+def med3_threshold(x: torch.Tensor, factor: float) -> torch.Tensor:
+    """Med3x threshold ``[H]`` (fp32): ``factor`` x the median chunk norm of each KV head
+    over all batches, tokens and chunks of ``x`` ``[B, H, T, D]`` (lower median for an even
+    count; +inf for an empty ``x``)."""
+    B, H, T, D = x.shape
+    if B * T == 0:
+        return torch.full((H,), float("inf"), dtype=torch.float32, device=x.device)
+    norms = x.detach().float().reshape(B, H, T * D // 4, 4).norm(dim=-1)
+    med = norms.transpose(0, 1).reshape(H, -1).median(dim=1).values
+    return (med * factor).to(torch.float32).contiguous()
+
+
+class HQMQCompressed(Compressed):
+    """One HQMQ-compressed block: packed codes, fp16 radius scales, Med3x outlier records,
+    and the secondary sets ``.secondary`` ``[H, S, 4]`` (so anyone can verify codewords)."""
+
+    def __init__(self, codes, scale, outliers, secondary, radius_bits: int, shape, dtype,
+                 threshold: Optional[torch.Tensor] = None):
+        self.codes, self.scale, self.outliers = codes, scale, outliers
+        self.secondary, self.threshold = secondary, threshold
+        self.radius_bits = radius_bits
+        self.shape, self.dtype = torch.Size(shape), dtype
+
+    @classmethod
+    def from_tensor(cls, x: torch.Tensor, config, role: str, *, layer_idx: int = 0,
+                    check_finite: bool = True) -> "HQMQCompressed":
+        check_cache_tensor(x)
+        H = x.shape[1]
+        sec = hqmq_secondary(H, config.secondary_size, config.seed, layer_idx=layer_idx,
+                             role=role, device=x.device)
+        thr = None
+        if config.outlier_factor is not None:
+            thr = med3_threshold(x, config.outlier_factor)
+        codes, scale, outliers = _ops.hqmq_encode(x, sec, config.radius_bits, thr,
+                                                  check_finite=check_finite)
+        return cls(codes, scale, outliers, sec, config.radius_bits, x.shape, x.dtype, thr)
+
+    @property
+    def secondary_size(self) -> int:
+        return self.secondary.shape[1]
+
+    @property
+    def num_outliers(self) -> int:
+        return self.outliers.shape[0]
+
+    def decompress(self) -> torch.Tensor:
+        return _ops.hqmq_decode(self.codes, self.scale, self.secondary, self.outliers,
+                                self.radius_bits, self.shape[-1], self.dtype)
+
+    def tensors(self):
+        return {"codes": self.codes, "scale": self.scale, "outliers": self.outliers,
+                "secondary": self.secondary, "threshold": self.threshold}
+
+
+class HQMQStream(Stream):
+    """HQMQ storage of one role of one layer: every token is encoded on arrival (no
+    full-precision buffer).  Med3x: the threshold is fixed from the first non-empty append
+    (the prefill) and reused for every later token; the secondary sets come from
+    ``derive_seed(config.seed, layer_idx, role)``."""
+
+    def __init__(self, config, role: str, *, layer_idx: int = 0, check_finite: bool = True):
+        super().__init__()
+        derive_seed(config.seed, layer_idx, role)  # validates role and layer_idx
+        self.config, self.role, self.layer_idx = config, role, layer_idx
+        self.check_finite = check_finite
+        self.codes, self.scale, self.outliers = Growable(), Growable(), Growable()
+        self.secondary: Optional[torch.Tensor] = None
+        self.threshold: Optional[torch.Tensor] = None
+
+    def append(self, x, name="x"):
+        self._check(x, name)
+        if self.secondary is None:
+            self.secondary = hqmq_secondary(x.shape[1], self.config.secondary_size,
+                                            self.config.seed, layer_idx=self.layer_idx,
+                                            role=self.role, device=x.device)
+        if x.shape[0] * x.shape[2] == 0:
+            return
+        if self.config.outlier_factor is not None and self.threshold is None:
+            if self.check_finite and not torch.isfinite(x).all():
+                raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
+            self.threshold = med3_threshold(x, self.config.outlier_factor)
+        codes, scale, rec = _ops.hqmq_encode(x, self.secondary, self.config.radius_bits,
+                                             self.threshold, check_finite=self.check_finite)
+        if rec.shape[0]:
+            rec[:, 0] += self.codes.length  # token index within the stream
+            self.outliers.append(rec.view(1, 1, -1, 4))
+        self.codes.append(codes)
+        self.scale.append(scale)
+
+    def _records(self) -> torch.Tensor:
+        v = self.outliers.view()
+        if v is None:
+            dev = self.device if self._shape is not None else None
+            return torch.empty((0, 4), dtype=torch.int32, device=dev)
+        return v.reshape(-1, 4)
+
+    def dequantize(self):
+        if self._shape is None:
+            return None
+        if self.codes.length == 0:
+            return self._empty()
+        return _ops.hqmq_decode(self.codes.view(), self.scale.view(), self.secondary,
+                                self._records(), self.config.radius_bits, self._shape[2],
+                                self.dtype)
+
+    @property
+    def seq_len(self):
+        return self.codes.length
+
+    def tensors(self):
+        return {"codes": self.codes.view(), "scale": self.scale.view(),
+                "outliers": self.outliers.view(), "secondary": self.secondary,
+                "threshold": self.threshold}
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        sd = super().state_dict()
+        if self._shape is not None:
+            sd["proto"] = self._empty()  # [B, H, 0, D] in the cache dtype (0 bytes)
+        return sd
+
+    def load_state_dict(self, state):
+        self._shape = None
+        self._check(state["proto"], "state['proto']")
+        self.codes.reset(state.get("codes"))
+        self.scale.reset(state.get("scale"))
+        self.outliers.reset(state.get("outliers"))
+        self.secondary = state.get("secondary")
+        self.threshold = state.get("threshold")
+        if self.secondary is None:
+            B, H, D = self._shape
+            self.secondary = hqmq_secondary(H, self.config.secondary_size, self.config.seed,
+                                            layer_idx=self.layer_idx, role=self.role,
+                                            device=self.device)
