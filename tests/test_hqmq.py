@@ -436,3 +436,16 @@ def test_cuda_kvcache_matches_cpu():
         a.update(t, t, 0)
         b.update(t.cuda(), t.cuda(), 0)
     assert torch.equal(a.dequantize(0)[0], b.dequantize(0)[0].cpu())
+
+
+def test_torch_compile_smoke():
+    x = make_x(1, 2, 8, 128, torch.float16, outliers=True)
+    sec = secondary(2, 24)
+    thr = med3_threshold(x, 3.0)
+
+    def roundtrip(x, sec, thr):
+        codes, scale, rec = kvq.hqmq_encode(x, sec, 4, thr)
+        return kvq.hqmq_decode(codes, scale, sec, rec, 4, 128, torch.float16)
+
+    f = torch.compile(roundtrip, backend="aot_eager")
+    assert torch.equal(f(x, sec, thr), roundtrip(x, sec, thr))
