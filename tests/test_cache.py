@@ -91,7 +91,7 @@ def _stream_check(stream, appended, R, spec):
         G = spec.group_size if spec.group_size > 0 else R
         ref_scales = torch.cat([quantize_ref(b, spec.bits, G if spec.per_channel else spec.group_size,
                                              spec.per_channel)[1] for b in blocks], dim=2)
-        assert torch.equal(stream.scale.view().cpu(), ref_scales)
+        assert torch.equal(stream.scale.view().cpu(), ref_scales.cpu())
     deq = stream.dequantize()
     assert deq.shape == full.shape
     assert torch.equal(deq[:, :, nq:], full[:, :, nq:])

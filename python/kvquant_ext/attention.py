@@ -1,15 +1,21 @@
 """Decode attention over a compressed :class:`~kvquant_ext.KVCache` layer.
 
-NOTE(founding): this first version dequantizes the layer and runs plain softmax attention;
-it is the semantic reference and is being replaced by the fused ``torch.ops.kvq``
-decode-attention ops (issue "fused decode attention"), with the same signature.
+Group-quantized layers (KIVI, KCVT, per-token INT, FlexGen) run the fused
+``torch.ops.kvq.decode_attention_gq`` op, which reads the packed codes directly (tensor-core
+kernels on CUDA, a C++ loop on CPU).  FP16 layers use ``scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Optional
 
 import torch
+
+from . import _ops
+from .streams import FullPrecisionStream, _QuantStream
+
+_warned = set()
 
 
 def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[float] = None, *,
@@ -26,22 +32,67 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
 
     Returns the attention output with the shape and dtype of ``q``.
     """
-    K, V = cache.dequantize(layer_idx)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"argument 'q' must be a torch.Tensor, got {type(q).__name__}")
+    layer = cache._layer(layer_idx)
+    kst, vst = layer.key, layer.value
+    if kst.seq_len == 0:
+        raise ValueError(f"layer {layer_idx} of the cache is empty")
     squeeze = q.dim() == 3
-    if squeeze:
-        q = q.unsqueeze(2)
-    if q.dim() != 4 or q.shape[2] != 1:
+    q4 = q.unsqueeze(2) if squeeze else q
+    if q4.dim() != 4 or q4.shape[2] != 1:
         raise ValueError(f"argument 'q' must be [B, Hq, D] or [B, Hq, 1, D], got {tuple(q.shape)}")
-    B, Hq, _, D = q.shape
-    H = K.shape[1]
+    B, Hq, _, D = q4.shape
+    Bc, H, Dc = kst._shape
+    if (B, D) != (Bc, Dc):
+        raise ValueError(f"argument 'q' has [B, D] = [{B}, {D}] but the cache holds [{Bc}, {Dc}]")
     if Hq % H:
         raise ValueError(f"argument 'q' has {Hq} heads, not a multiple of the cache's {H} KV heads")
+    if q.device != kst.device:
+        raise ValueError(f"argument 'q' is on {q.device} but the cache is on {kst.device}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"argument 'q' must be float16, bfloat16 or float32, got {q.dtype}")
+    T = kst.seq_len
+    if attn_mask is not None:
+        if attn_mask.shape != (B, T):
+            raise ValueError(f"argument 'attn_mask' must be [B, T] = [{B}, {T}], got {tuple(attn_mask.shape)}")
+        attn_mask = attn_mask.to(device=q.device, dtype=torch.bool)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    qc = q4.reshape(B, Hq, D).to(kst.dtype)
+
+    if isinstance(kst, _QuantStream) and isinstance(vst, _QuantStream):
+        kc, ks, kz, kr = kst.attention_operands()
+        vc, vs, vz, vr = vst.attention_operands()
+        out = _ops.decode_attention_gq(qc, kc, ks, kz, kr, vc, vs, vz, vr, attn_mask,
+                                       kst.spec.bits, kst.spec.per_channel, vst.spec.bits,
+                                       vst.spec.per_channel, float(scale))
+    elif isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
+        K, V = kst.dequantize(), vst.dequantize()
+        mask = None if attn_mask is None else attn_mask[:, None, None, :]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qc.unsqueeze(2), K, V, attn_mask=mask, scale=scale, enable_gqa=Hq != H).squeeze(2)
+    else:
+        # NOTE: GEAR and HQMQ layers have no fused kernel yet; they attend over the layer
+        # dequantized by their own ops (correct, but reads a full-precision copy).
+        name = type(cache.config).__name__
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"kvq.decode_attention: no fused kernel for {name} yet; dequantizing "
+                          "the layer each call", RuntimeWarning, stacklevel=2)
+        out = reference_decode_attention(qc, *cache.dequantize(layer_idx), scale, attn_mask)
+    out = out.to(q.dtype)
+    return out if squeeze else out.unsqueeze(2)
+
+
+def reference_decode_attention(q, K, V, scale, attn_mask=None):
+    """fp32 softmax attention of q ``[B, Hq, D]`` over K, V ``[B, H, T, D]`` (GQA)."""
+    B, Hq, D = q.shape
+    H = K.shape[1]
     Kf = K.float().repeat_interleave(Hq // H, dim=1)
     Vf = V.float().repeat_interleave(Hq // H, dim=1)
-    s = torch.matmul(q.float(), Kf.transpose(-1, -2)) * scale
+    s = torch.einsum("bhd,bhtd->bht", q.float(), Kf) * scale
     if attn_mask is not None:
-        s = s.masked_fill(~attn_mask.bool()[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(s, dim=-1), Vf).to(q.dtype)
-    return out.squeeze(2) if squeeze else out
+        s = s.masked_fill(~attn_mask[:, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bht,bhtd->bhd", p, Vf)

@@ -36,6 +36,9 @@ KVQ_HOST_DEVICE float bits_as_float(uint32_t u) {
 
 /// \brief fp16 bits -> float (exact).
 KVQ_HOST_DEVICE float half_bits_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));
+#else
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
   uint32_t exp = (h >> 10) & 0x1fu;
   uint32_t man = h & 0x3ffu;
@@ -46,6 +49,7 @@ KVQ_HOST_DEVICE float half_bits_to_float(uint16_t h) {
   }
   if (exp == 31) return bits_as_float(sign | 0x7f800000u | (man << 13));
   return bits_as_float(sign | ((exp + 112u) << 23) | (man << 13));
+#endif
 }
 
 /// \brief float -> fp16 bits, round to nearest even (IEEE), overflow to Inf.
@@ -92,6 +96,9 @@ KVQ_HOST_DEVICE uint16_t half_bits_next_up(uint16_t h) {
 
 /// \brief Largest fp16 <= f (f finite, |f| <= 65504).
 KVQ_HOST_DEVICE uint16_t float_to_half_bits_rd(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_rd(f));
+#endif
   uint16_t h = float_to_half_bits_rn(f);
   if (half_bits_to_float(h) > f) h = half_bits_next_down(h);
   return h;
@@ -99,6 +106,9 @@ KVQ_HOST_DEVICE uint16_t float_to_half_bits_rd(float f) {
 
 /// \brief Smallest fp16 >= f (f finite, |f| <= 65504).
 KVQ_HOST_DEVICE uint16_t float_to_half_bits_ru(float f) {
+#if defined(__CUDA_ARCH__)
+  return __half_as_ushort(__float2half_ru(f));
+#endif
   uint16_t h = float_to_half_bits_rn(f);
   if (half_bits_to_float(h) < f) h = half_bits_next_up(h);
   return h;

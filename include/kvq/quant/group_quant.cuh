@@ -266,7 +266,7 @@ cudaError_t GroupQuantize(const GroupQuantParams& p, cudaStream_t stream) {
     GroupQuantizePerChannelKernel<DType, EPL, BITS, WARPS>
         <<<(unsigned)blocks, WARPS * 32, 0, stream>>>(p);
   } else {
-    constexpr int ROWS = (EPL >= 4) ? 2 : 4, THREADS = 256;
+    constexpr int ROWS = (EPL >= 8) ? 2 : 4, THREADS = 256;
     const int64_t warps_needed = (p.N * p.T + ROWS - 1) / ROWS;
     int64_t blocks = (warps_needed + THREADS / 32 - 1) / (THREADS / 32);
     const int64_t cap = (int64_t)num_sms() * 16;

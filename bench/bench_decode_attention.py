@@ -1,0 +1,93 @@
+"""Decode attention over compressed caches vs FP16 SDPA, Llama-3-8B attention shape.
+
+For each (B, L): FP16 ``scaled_dot_product_attention`` (flash backend, enable_gqa),
+"dequantize then SDPA", and ``kvq.decode_attention`` (fused) for each preset, all in one
+run.  Reports us, speedup vs FP16, bytes the fused op must read, achieved GB/s and % of the
+device-to-device copy bandwidth measured in the same run.
+
+    python bench/bench_decode_attention.py [--batch 1 8 32] [--len 4096 32768 131072]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+import kvquant_ext as kvq  # noqa: E402
+from utils import bench_gpu_time, copy_bandwidth, table  # noqa: E402
+
+DEFAULT_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "flexgen-4", "gear-2", "hqmq-3.79"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--len", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS)
+    ap.add_argument("--hq", type=int, default=32)
+    ap.add_argument("--h", type=int, default=8)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--max-kv-gb", type=float, default=40.0, help="skip shapes whose FP16 KV exceeds this")
+    ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    args = ap.parse_args(argv)
+    Hq, H, D = args.hq, args.h, args.d
+    copy_bw = copy_bandwidth()
+    head = (f"# decode attention, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"{datetime.date.today()}, Hq={Hq} H={H} D={D} fp16; copy {copy_bw / 1e9:.0f} GB/s")
+    print(head, flush=True)
+    rows = []
+    presets = [p for p in args.presets if p in kvq.PRESETS]
+    for B in args.batch:
+        for L in args.len:
+            fp16_bytes = 2 * B * H * L * D * 2
+            if fp16_bytes / 1e9 > args.max_kv_gb:
+                continue
+            torch.manual_seed(0)
+            k = torch.randn(B, H, L, D, device="cuda", dtype=torch.float16)
+            v = torch.randn(B, H, L, D, device="cuda", dtype=torch.float16)
+            q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.float16)
+            t = bench_gpu_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            base = t["us"]
+            bw = fp16_bytes / (base * 1e-6)
+            rows.append([B, L, "fp16 SDPA", f"{base:.1f}", "1.00", f"{fp16_bytes / 1e6:.0f}",
+                         f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
+            print(rows[-1], flush=True)
+            for name in presets:
+                cache = kvq.KVCache(name, check_finite=False)
+                try:
+                    cache.update(k, v, 0)
+                except Exception as e:  # pragma: no cover - report and go on
+                    print(f"skip {name}: {e}")
+                    continue
+                nbytes = cache.nbytes
+                t = bench_gpu_time(lambda: kvq.decode_attention(q, cache, 0))
+                bw = nbytes / (t["us"] * 1e-6)
+                rows.append([B, L, f"{name} fused", f"{t['us']:.1f}", f"{base / t['us']:.2f}",
+                             f"{nbytes / 1e6:.0f}", f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
+                print(rows[-1], flush=True)
+                if name in ("kivi-2", "gear-2", "hqmq-3.79"):
+                    def deq_sdpa():
+                        K, V = cache.dequantize(0)
+                        return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)
+                    t = bench_gpu_time(deq_sdpa, samples=20)
+                    rows.append([B, L, f"{name} dequantize+SDPA", f"{t['us']:.1f}", f"{base / t['us']:.2f}",
+                                 "", "", ""])
+                    print(rows[-1], flush=True)
+                del cache
+            del k, v
+            torch.cuda.empty_cache()
+    text = head + "\n\n" + table(rows, ["B", "L", "method", "us", "speedup vs FP16", "MB read",
+                                       "GB/s", "% of copy"])
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

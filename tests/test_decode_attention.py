@@ -1,0 +1,133 @@
+"""kvq.decode_attention against fp32 softmax attention over cache.dequantize()."""
+import pytest
+import torch
+
+import kvquant_ext as kvq
+from conftest import CUDA, requires_cuda
+from kvquant_ext.attention import reference_decode_attention
+from test_group_quant import make_kv
+
+GQ_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "int2-per-token", "flexgen-4", "fp16"]
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+
+
+def build_cache(preset, B, H, T, D, dtype, device, steps=0):
+    cache = kvq.KVCache(preset)
+    cache.update(make_kv(B, H, T, D, dtype, device), make_kv(B, H, T, D, dtype, device), 0)
+    for _ in range(steps):
+        cache.update(make_kv(B, H, 1, D, dtype, device), make_kv(B, H, 1, D, dtype, device), 0)
+    return cache
+
+
+def check(cache, q, mask=None, tol=4e-3):
+    out = kvq.decode_attention(q, cache, 0, attn_mask=mask)
+    K, V = cache.dequantize(0)
+    ref = reference_decode_attention(q.reshape(q.shape[0], q.shape[1], -1).to(K.dtype), K, V,
+                                     q.shape[-1] ** -0.5, mask)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    o = out.reshape(ref.shape).float()
+    err = (o - ref).norm() / ref.norm()
+    assert err < tol, f"relative error {err:.2e}"
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", GQ_PRESETS)
+@pytest.mark.parametrize("T,steps", [(1, 0), (20, 0), (200, 3), (300, 40)])
+def test_presets_and_lengths(device, preset, T, steps):
+    """Residual only; one group + residual; store + residual of different K/V lengths."""
+    cache = build_cache(preset, 2, 2, T, 64, torch.float16, device, steps)
+    q = torch.randn(2, 8, 64, dtype=torch.float16, device=device)
+    check(cache, q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("ratio", [1, 4, 7])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_head_dims_gqa_dtypes(device, D, ratio, dtype):
+    H = 2
+    cache = build_cache("kivi-2", 1, H, 333 if device == "cuda" else 150, D, dtype, device, steps=5)
+    q = torch.randn(1, H * ratio, 1, D, dtype=dtype, device=device)  # [B, Hq, 1, D] form
+    check(cache, q, tol=6e-3 if dtype == torch.bfloat16 else 4e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4", "int4-per-token"])
+def test_left_padding_mask(device, preset):
+    B, H, T, D = 3, 2, 290, 64
+    cache = build_cache(preset, B, H, T, D, torch.float16, device, steps=2)
+    Tt = T + 2
+    mask = torch.ones(B, Tt, dtype=torch.bool, device=device)
+    mask[1, :37] = False   # left padding of sequence 1
+    mask[2, :200] = False  # long padding crossing quantized groups
+    q = torch.randn(B, 4, D, dtype=torch.float16, device=device)
+    check(cache, q, mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    cache = build_cache("kivi-2", 1, 2, 40, 64, torch.float16, device)
+    q = torch.randn(1, 6, 64, dtype=torch.float16, device=device)
+    with pytest.raises(ValueError, match="not a multiple"):
+        kvq.decode_attention(torch.randn(1, 3, 64, dtype=torch.float16, device=device), cache, 0)
+    with pytest.raises(ValueError, match="'q'"):
+        kvq.decode_attention(torch.randn(1, 4, 2, 64, dtype=torch.float16, device=device), cache, 0)
+    with pytest.raises(TypeError, match="'q'"):
+        kvq.decode_attention(q.to(torch.int32), cache, 0)
+    with pytest.raises(IndexError, match="layer_idx"):
+        kvq.decode_attention(q, cache, 3)
+    with pytest.raises(ValueError, match="attn_mask"):
+        kvq.decode_attention(q, cache, 0, attn_mask=torch.ones(1, 5, dtype=torch.bool))
+    empty = kvq.KVCache("kivi-2", num_layers=1)
+    with pytest.raises((ValueError, IndexError, TypeError)):
+        kvq.decode_attention(q, empty, 0)
+    if CUDA:
+        with pytest.raises(ValueError, match="on"):
+            kvq.decode_attention(q.cpu() if device == "cuda" else q.cuda(), cache, 0)
+    # the raw op names its arguments
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    kc, ks, kz, kr = kst.attention_operands()
+    vc, vs, vz, vr = vst.attention_operands()
+    with pytest.raises(RuntimeError, match="'k_residual' must have the dtype of 'q'"):
+        kvq.ops.decode_attention_gq(q.float(), kc, ks, kz, kr, vc, vs, vz, vr, None, 2, True, 2, False, 0.1)
+    with pytest.raises(RuntimeError, match="'k_bits'"):
+        kvq.ops.decode_attention_gq(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 3, True, 2, False, 0.1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    cache = build_cache("kivi-4", 1, 2, 150, 64, torch.float16, device, steps=1)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    q = torch.randn(1, 4, 64, dtype=torch.float16, device=device)
+    args = (q, *kst.attention_operands(), *vst.attention_operands(), None, 4, True, 4, False, 0.125)
+    torch.library.opcheck(torch.ops.kvq.decode_attention_gq.default, args)
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "flexgen-4"])
+@pytest.mark.parametrize("T", [4096, 5000])
+def test_cuda_long_matches_cpu(preset, T):
+    """Long caches (mma path, many splits) equal the CPU op on the same stored data."""
+    cache = build_cache(preset, 2, 4, T, 128, torch.float16, "cuda", steps=3)
+    q = torch.randn(2, 16, 128, dtype=torch.float16, device="cuda")
+    out = check(cache, q)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    cpu_ops = [t.cpu() for t in (*kst.attention_operands(), *vst.attention_operands())]
+    ref = kvq.ops.decode_attention_gq(q.cpu(), *cpu_ops, None, kst.spec.bits, kst.spec.per_channel,
+                                      vst.spec.bits, vst.spec.per_channel, 128 ** -0.5)
+    err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
+    assert err < 3e-3
+
+
+@requires_cuda
+def test_cuda_graph_capture():
+    cache = build_cache("kivi-2", 1, 8, 4096, 128, torch.float16, "cuda")
+    q = torch.randn(1, 32, 128, dtype=torch.float16, device="cuda")
+    out = kvq.decode_attention(q, cache, 0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out2 = kvq.decode_attention(q, cache, 0)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, out2)
