@@ -63,12 +63,79 @@ at::Tensor hqmq_decode_cuda(const at::Tensor& codes, const at::Tensor& scale,
 }
 // ---- end HQMQ ----
 
+// ---- GEAR (prepare_* in gear.cpp) ----
+std::tuple<at::Tensor, at::Tensor> outlier_select_cuda(const at::Tensor& x, int64_t k,
+                                                       bool per_channel) {
+  c10::cuda::CUDAGuard guard(x.device());
+  OutlierSelectCall c = prepare_outlier_select(x, k, per_channel, false, "outlier_select");
+  at::Tensor ws;
+  if (c.params.k > 0 && select::vector_length(c.params) > 256) {
+    ws = at::empty({c.x.numel()}, c.x.options().dtype(at::kInt));
+    c.params.keys_ws = reinterpret_cast<uint32_t*>(ws.data_ptr());
+  }
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL("outlier_select", select::outlier_select_cuda(c.params, dtype_id(c.x.scalar_type()),
+                                                              c.index_bytes, stream));
+  return {c.values, c.indices};
+}
+
+std::tuple<at::Tensor, at::Tensor> lowrank_power_iter_cuda(const at::Tensor& x, int64_t rank,
+                                                           int64_t iters, int64_t seed) {
+  c10::cuda::CUDAGuard guard(x.device());
+  PowerIterCall c = prepare_power_iter(x, rank, iters, seed, true, "lowrank_power_iter");
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL("lowrank_power_iter",
+                linalg::power_iter_cuda(c.params, dtype_id(c.x.scalar_type()), stream));
+  return {c.A, c.B};
+}
+
+GearTuple gear_compress_cuda(const at::Tensor& x, int64_t bits, int64_t group_size,
+                             bool per_channel, double sparsity, int64_t rank, int64_t iters,
+                             int64_t seed, bool check_finite) {
+  const char* op = "gear_compress";
+  c10::cuda::CUDAGuard guard(x.device());
+  GearCompressCall c = prepare_gear_compress(x, bits, group_size, per_channel, sparsity, rank,
+                                             iters, seed, check_finite, /*cuda=*/true);
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  const auto dt = dtype_id(c.x.scalar_type());
+  if (c.k > 0) {
+    KVQ_CUDA_CALL(op, select::outlier_select_cuda(c.sel.params, dt, c.sel.index_bytes, stream));
+    KVQ_CUDA_CALL(op, gear::gear_clamp_cuda(c.gear, dt, stream));
+  }
+  KVQ_CUDA_CALL(op, quant::group_quantize_cuda(c.quant.params, dt, stream));
+  KVQ_CUDA_CALL(op, gear::gear_residual_cuda(c.gear, dt, stream));
+  if (c.k > 0) KVQ_CUDA_CALL(op, gear::gear_zero_outliers_cuda(c.gear, c.sel.index_bytes, stream));
+  if (c.rank > 0 && c.gear.T > 0)
+    KVQ_CUDA_CALL(op, linalg::power_iter_cuda(c.pi.params, DTypeId::kFloat16, stream));
+  if (check_finite) raise_status(op, "x", c.status.item<int32_t>());
+  return {c.quant.codes, c.quant.scale, c.quant.zero, c.sel.values, c.sel.indices, c.A, c.B};
+}
+
+at::Tensor gear_decompress_cuda(const at::Tensor& codes, const at::Tensor& scale,
+                                const at::Tensor& zero, const at::Tensor& outlier_values,
+                                const at::Tensor& outlier_indices, const at::Tensor& A,
+                                const at::Tensor& B, int64_t bits, bool per_channel,
+                                at::ScalarType dtype) {
+  c10::cuda::CUDAGuard guard(codes.device());
+  GearDecompressCall c = prepare_gear_decompress(codes, scale, zero, outlier_values,
+                                                 outlier_indices, A, B, bits, per_channel, dtype);
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL("gear_decompress",
+                gear::gear_decompress_cuda(c.gear, dtype_id(dtype), c.index_bytes, stream));
+  return c.dq.out;
+}
+// ---- end GEAR ----
+
 }  // namespace kvq
 
 TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
   m.impl("quantize", &kvq::quantize_cuda);
   m.impl("dequantize", &kvq::dequantize_cuda);
   // ---- GEAR CUDA impls ----
+  m.impl("outlier_select", &kvq::outlier_select_cuda);
+  m.impl("lowrank_power_iter", &kvq::lowrank_power_iter_cuda);
+  m.impl("gear_compress", &kvq::gear_compress_cuda);
+  m.impl("gear_decompress", &kvq::gear_decompress_cuda);
   // ---- end GEAR CUDA impls ----
   // ---- HQMQ CUDA impls ----
   m.impl("hqmq_encode", &kvq::hqmq_encode_cuda);

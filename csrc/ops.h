@@ -4,7 +4,10 @@
 
 #include <tuple>
 
+#include "kvq/gear/gear.h"
+#include "kvq/linalg/power_svd.h"
 #include "kvq/quant/group_quant.h"
+#include "kvq/select/outlier_topk.h"
 #include "kvq/vq/quaternion_vq.h"
 
 namespace kvq {
@@ -75,5 +78,64 @@ at::Tensor hqmq_decode_cuda(const at::Tensor& codes, const at::Tensor& scale,
                             int64_t radius_bits, int64_t head_dim, at::ScalarType dtype);
 #endif
 // ----- end HQMQ -----
+
+// ----- GEAR (csrc/gear.cpp) -----
+struct OutlierSelectCall {
+  at::Tensor x, values, indices, bounds;
+  select::OutlierSelectParams params;
+  int index_bytes = 1;
+};
+OutlierSelectCall prepare_outlier_select(const at::Tensor& x, int64_t k, bool per_channel,
+                                         bool want_bounds, const char* op);
+struct PowerIterCall {
+  at::Tensor x, A, B, ws;
+  linalg::PowerIterParams params;
+};
+PowerIterCall prepare_power_iter(const at::Tensor& x, int64_t rank, int64_t iters, int64_t seed,
+                                 bool want_ws, const char* op);
+struct GearCompressCall {
+  at::Tensor x, xc, keys_ws, resid, status, A, B;
+  OutlierSelectCall sel;
+  QuantizeCall quant;
+  PowerIterCall pi;
+  gear::GearParams gear;
+  int64_t k = 0, rank = 0;
+  bool check_finite = true;
+};
+GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_t group_size,
+                                       bool per_channel, double sparsity, int64_t rank,
+                                       int64_t iters, int64_t seed, bool check_finite, bool cuda);
+struct GearDecompressCall {
+  DequantizeCall dq;
+  at::Tensor ovalues, oindices, A, B;
+  gear::GearParams gear;
+  int index_bytes = 1;
+};
+GearDecompressCall prepare_gear_decompress(const at::Tensor& codes, const at::Tensor& scale,
+                                           const at::Tensor& zero, const at::Tensor& outlier_values,
+                                           const at::Tensor& outlier_indices, const at::Tensor& A,
+                                           const at::Tensor& B, int64_t bits, bool per_channel,
+                                           at::ScalarType dtype);
+using GearTuple = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                             at::Tensor>;
+#define KVQ_GEAR_DECLS(SUFFIX)                                                                   \
+  std::tuple<at::Tensor, at::Tensor> outlier_select_##SUFFIX(const at::Tensor& x, int64_t k,     \
+                                                              bool per_channel);                 \
+  std::tuple<at::Tensor, at::Tensor> lowrank_power_iter_##SUFFIX(                                \
+      const at::Tensor& x, int64_t rank, int64_t iters, int64_t seed);                           \
+  GearTuple gear_compress_##SUFFIX(const at::Tensor& x, int64_t bits, int64_t group_size,        \
+                                   bool per_channel, double sparsity, int64_t rank,              \
+                                   int64_t iters, int64_t seed, bool check_finite);              \
+  at::Tensor gear_decompress_##SUFFIX(const at::Tensor& codes, const at::Tensor& scale,          \
+                                      const at::Tensor& zero, const at::Tensor& outlier_values,  \
+                                      const at::Tensor& outlier_indices, const at::Tensor& A,    \
+                                      const at::Tensor& B, int64_t bits, bool per_channel,       \
+                                      at::ScalarType dtype);
+KVQ_GEAR_DECLS(cpu)
+#ifdef KVQ_WITH_CUDA
+KVQ_GEAR_DECLS(cuda)
+#endif
+#undef KVQ_GEAR_DECLS
+// ----- end GEAR -----
 
 }  // namespace kvq

@@ -19,6 +19,20 @@ TORCH_LIBRARY(kvq, m) {
   m.def("dequantize(Tensor codes, Tensor scale, Tensor zero, int bits, bool per_channel,"
         " ScalarType dtype) -> Tensor");
   // ---- GEAR ops (outlier_select, lowrank_power_iter, gear_compress, gear_decompress) ----
+  // x: [..., T, D]; vectors = key channels (per_channel, length T) or value tokens (length D).
+  //   -> values [..., V, 2k] (x.dtype; k largest then k smallest, each in index order),
+  //      indices [..., V, 2k] uint8 (L <= 256) / int16 (L <= 32768) / int32.
+  m.def("outlier_select(Tensor x, int k, bool per_channel) -> (Tensor values, Tensor indices)");
+  // x: [..., T, d] -> A [..., T, r] (orthonormal columns), B [..., d, r]; x ~= A B^T.
+  m.def("lowrank_power_iter(Tensor x, int rank, int iters, int seed) -> (Tensor A, Tensor B)");
+  // GEAR: backbone codes/scale/zero (kvq.quantize format), outliers (fixed k per vector,
+  // k = ceil(sparsity/2 * L)), fp16 factors A [..., T, r], B [..., D, r].  See docs/ops.md.
+  m.def("gear_compress(Tensor x, int bits, int group_size, bool per_channel, float sparsity,"
+        " int rank, int iters, int seed, bool check_finite=True) -> (Tensor codes, Tensor scale,"
+        " Tensor zero, Tensor outlier_values, Tensor outlier_indices, Tensor A, Tensor B)");
+  m.def("gear_decompress(Tensor codes, Tensor scale, Tensor zero, Tensor outlier_values,"
+        " Tensor outlier_indices, Tensor A, Tensor B, int bits, bool per_channel,"
+        " ScalarType dtype) -> Tensor");
   // ---- end GEAR ops ----
   // ---- HQMQ ops (hqmq_encode, hqmq_decode) ----
   // x: [..., H, T, D] (D in {32,64,128,256}), secondary fp32 [H, S, 4] ->
@@ -38,6 +52,10 @@ TORCH_LIBRARY_IMPL(kvq, CPU, m) {
   m.impl("quantize", &kvq::quantize_cpu);
   m.impl("dequantize", &kvq::dequantize_cpu);
   // ---- GEAR CPU impls ----
+  m.impl("outlier_select", &kvq::outlier_select_cpu);
+  m.impl("lowrank_power_iter", &kvq::lowrank_power_iter_cpu);
+  m.impl("gear_compress", &kvq::gear_compress_cpu);
+  m.impl("gear_decompress", &kvq::gear_decompress_cpu);
   // ---- end GEAR CPU impls ----
   // ---- HQMQ CPU impls ----
   m.impl("hqmq_encode", &kvq::hqmq_encode_cpu);

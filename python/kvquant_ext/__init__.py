@@ -17,6 +17,10 @@ from ._ops import hqmq_decode, hqmq_encode  # noqa: E402
 from .config import HQMQConfig  # noqa: E402
 from .hqmq import HQMQCompressed, HQMQStream, hqmq_secondary  # noqa: E402
 from .compressed import Compressed, FullPrecision, GroupQuantized
+from ._ops import (gear_compress, gear_decompress, lowrank_power_iter,  # noqa: E402
+                   outlier_count, outlier_index_dtype, outlier_select)
+from .config import GEARConfig  # noqa: E402
+from .gear import GEARCompressed, GEARStream  # noqa: E402
 from .config import (PRESETS, CompressionConfig, FP16Config, FlexGenConfig, GroupQuantConfig,
                      KCVTConfig, KIVIConfig, PerTokenIntConfig, QuantSpec, get_config,
                      register_preset)
@@ -46,4 +50,6 @@ __all__ = [
     "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
     "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PerTokenIntConfig",
     "QuantSpec", "compress", "decode_attention", "dequantize", "get_config", "quantize", "register_preset",
+    "GEARCompressed", "GEARConfig", "GEARStream", "gear_compress", "gear_decompress",
+    "lowrank_power_iter", "outlier_count", "outlier_index_dtype", "outlier_select",
 ]

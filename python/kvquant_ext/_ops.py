@@ -124,3 +124,104 @@ def _hqmq_encode_fake(x, secondary, radius_bits, outlier_threshold=None, check_f
 def _hqmq_decode_fake(codes, scale, secondary, outliers, radius_bits, head_dim, dtype):
     *lead, T, _ = codes.shape
     return codes.new_empty((*lead, T, head_dim), dtype=dtype)
+# ----------------------------------------------------------------------------- GEAR
+__all__ += ["outlier_count", "outlier_index_dtype", "outlier_select", "lowrank_power_iter",
+            "gear_compress", "gear_decompress"]
+
+
+def outlier_count(sparsity: float, length: int) -> int:
+    """Outliers per side of a vector of ``length`` entries: ``ceil(sparsity/2 * length)``,
+    at most ``length // 2`` (the same double expression as the C++ op)."""
+    import math
+    if not sparsity > 0.0 or length <= 0:
+        return 0
+    k = max(0, math.ceil(float(sparsity) * 0.5 * float(length) - 1e-9))
+    return min(k, length // 2)
+
+
+def outlier_index_dtype(length: int) -> torch.dtype:
+    """Stored index dtype for vectors of ``length`` entries: uint8 / int16 / int32."""
+    return torch.uint8 if length <= 256 else (torch.int16 if length <= 32768 else torch.int32)
+
+
+def outlier_select(x: torch.Tensor, k: int, per_channel: bool):
+    """Per-vector top-k and bottom-k entries.
+
+    Parameters
+    ----------
+    x : ``[..., T, D]`` float16/bfloat16/float32.
+    k : entries per side (``2k <= L``; see :func:`outlier_count`).
+    per_channel : True: vectors are channels (length T, keys); False: tokens (length D).
+
+    Returns
+    -------
+    values : ``[..., V, 2k]`` x.dtype (V = D or T): slots ``[0, k)`` the k largest entries,
+        ``[k, 2k)`` the k smallest, each half in increasing index order; exact copies.
+    indices : ``[..., V, 2k]`` uint8 (L <= 256), int16 (L <= 32768) or int32: positions
+        along the vector.  Ties: a smaller index counts as larger.
+    """
+    return torch.ops.kvq.outlier_select.default(x, k, per_channel)
+
+
+def lowrank_power_iter(x: torch.Tensor, rank: int, iters: int = 3, seed: int = 0):
+    """Rank-``rank`` (<= 8) approximation ``x ~= A @ B.mT`` of every ``[T, d]`` matrix by
+    power (subspace) iteration with Gram-Schmidt orthonormalization.
+
+    Returns ``A [..., T, r]`` (orthonormal columns) and ``B [..., d, r] = x^T A``, in x.dtype.
+    """
+    return torch.ops.kvq.lowrank_power_iter.default(x, rank, iters, seed)
+
+
+def gear_compress(x: torch.Tensor, bits: int, group_size: int, per_channel: bool,
+                  sparsity: float, rank: int, iters: int = 3, seed: int = 0,
+                  *, check_finite: bool = True):
+    """GEAR compression of ``x [..., T, D]`` in one call (layout: docs/ops.md).
+
+    Returns ``(codes, scale, zero, outlier_values, outlier_indices, A, B)``: the backbone in
+    :func:`quantize`'s format (of x with its outliers clamped), ``k = outlier_count(sparsity,
+    L)`` outliers per side and vector as in :func:`outlier_select`, and fp16 factors
+    ``A [..., T, r]``, ``B [..., D, r]`` of the residual (r = 0 allowed).
+    """
+    return torch.ops.kvq.gear_compress.default(x, bits, group_size, per_channel, float(sparsity),
+                                               rank, iters, seed, check_finite)
+
+
+def gear_decompress(codes, scale, zero, outlier_values, outlier_indices, A, B, bits: int,
+                    per_channel: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`gear_compress`: ``dequantize + A B^T``, outliers restored exactly."""
+    return torch.ops.kvq.gear_decompress.default(codes, scale, zero, outlier_values,
+                                                 outlier_indices, A, B, bits, per_channel, dtype)
+
+
+@torch.library.register_fake("kvq::outlier_select")
+def _outlier_select_fake(x, k, per_channel):
+    *lead, T, D = x.shape
+    V, L = (D, T) if per_channel else (T, D)
+    return (x.new_empty((*lead, V, 2 * k)),
+            x.new_empty((*lead, V, 2 * k), dtype=outlier_index_dtype(L)))
+
+
+@torch.library.register_fake("kvq::lowrank_power_iter")
+def _lowrank_power_iter_fake(x, rank, iters, seed):
+    *lead, T, d = x.shape
+    return x.new_empty((*lead, T, rank)), x.new_empty((*lead, d, rank))
+
+
+@torch.library.register_fake("kvq::gear_compress")
+def _gear_compress_fake(x, bits, group_size, per_channel, sparsity, rank, iters, seed,
+                        check_finite=True):
+    *lead, T, D = x.shape
+    codes, scale, zero = _quantize_fake(x, bits, group_size, per_channel)
+    V, L = (D, T) if per_channel else (T, D)
+    k = outlier_count(sparsity, L)
+    return (codes, scale, zero, x.new_empty((*lead, V, 2 * k)),
+            x.new_empty((*lead, V, 2 * k), dtype=outlier_index_dtype(L)),
+            x.new_empty((*lead, T, rank), dtype=torch.float16),
+            x.new_empty((*lead, D, rank), dtype=torch.float16))
+
+
+@torch.library.register_fake("kvq::gear_decompress")
+def _gear_decompress_fake(codes, scale, zero, outlier_values, outlier_indices, A, B, bits,
+                          per_channel, dtype):
+    *lead, T, W = codes.shape
+    return codes.new_empty((*lead, T, W * 32 // bits), dtype=dtype)

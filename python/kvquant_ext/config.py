@@ -288,3 +288,91 @@ class HQMQConfig(CompressionConfig):
 
 PRESETS["hqmq-3.79"] = HQMQConfig(secondary_size=96, radius_bits=4)
 PRESETS["hqmq-5"] = HQMQConfig(secondary_size=192, radius_bits=6, outlier_factor=3.0)
+# ----------------------------------------------------------------------------- GEAR
+@dataclass(frozen=True)
+class GEARConfig(CompressionConfig):
+    """GEAR (Kang et al. 2024): quantized backbone + exact sparse outliers + low-rank
+    residual, streamed with a full-precision buffer of ``buffer_length`` tokens.
+
+    Parameters
+    ----------
+    bits : backbone bits (2, 4 or 8).
+    group_size : KIVI group size G (tokens per key-channel group, channels per value-token
+        group); ignored by the "kcvt" backbone (whole key channel / whole value token).
+    sparsity : s in [0, 0.5): per vector the ceil(s/2 * L) largest and as many smallest
+        entries are kept exactly.  0 gives GEAR-L.
+    rank : rank of the residual factors of a prefill block (0: outlier-aware quantization).
+    rank_decode : rank of the factors of each streamed decode block.
+    iters : power iterations.
+    buffer_length : n_b, decode tokens kept in full precision before being compressed as
+        one block (a multiple of G with the KIVI backbone).
+    backbone : "kivi" (per-channel keys / per-token values, groups of G) or "kcvt".
+    seed : seed of the power iteration's start vectors.
+    """
+
+    bits: int = 2
+    group_size: int = 64
+    sparsity: float = 0.02
+    rank: int = 4
+    rank_decode: int = 2
+    iters: int = 3
+    buffer_length: int = 64
+    backbone: str = "kivi"
+    seed: int = 0
+    method: ClassVar[str] = "gear"
+
+    def __post_init__(self):
+        if self.backbone not in ("kivi", "kcvt"):
+            raise ValueError(f"argument 'backbone' must be 'kivi' or 'kcvt', got {self.backbone!r}")
+        self.key_spec()  # validates bits / group_size
+        self.value_spec()
+        if not (isinstance(self.sparsity, (int, float)) and 0.0 <= self.sparsity < 0.5):
+            raise ValueError(f"argument 'sparsity' must be in [0, 0.5), got {self.sparsity!r}")
+        for name in ("rank", "rank_decode"):
+            r = getattr(self, name)
+            if not (isinstance(r, int) and 0 <= r <= 8):
+                raise ValueError(f"argument '{name}' must be an int in [0, 8], got {r!r}")
+        if not (isinstance(self.iters, int) and self.iters >= 1):
+            raise ValueError(f"argument 'iters' must be an int >= 1, got {self.iters!r}")
+        if not (isinstance(self.buffer_length, int) and self.buffer_length >= 1):
+            raise ValueError(f"argument 'buffer_length' must be an int >= 1, got {self.buffer_length!r}")
+        if self.backbone == "kivi" and self.buffer_length % self.group_size:
+            raise ValueError(f"argument 'buffer_length' ({self.buffer_length}) must be a multiple of "
+                             f"'group_size' ({self.group_size}) with the KIVI backbone")
+        if self.rank_decode > self.buffer_length:
+            raise ValueError(f"argument 'rank_decode' ({self.rank_decode}) must be <= "
+                             f"'buffer_length' ({self.buffer_length})")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"argument 'seed' must be a non-negative int, got {self.seed!r}")
+
+    def key_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.group_size if self.backbone == "kivi" else -1, True)
+
+    def value_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.group_size if self.backbone == "kivi" else -1, False)
+
+    def spec(self, role: str) -> QuantSpec:
+        return self.key_spec() if _check_role(role) == "key" else self.value_spec()
+
+    def compress(self, x, role, *, check_finite=True, rank=None):
+        """Compress one whole block (prefill rank unless ``rank`` is given)."""
+        from .gear import GEARCompressed
+        return GEARCompressed.from_tensor(x, self, role, rank=self.rank if rank is None else rank,
+                                          check_finite=check_finite)
+
+    def new_stream(self, role, *, check_finite=True):
+        from .gear import GEARStream
+        _check_role(role)
+        return GEARStream(self, role, check_finite=check_finite)
+
+
+PRESETS["gear-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.02, rank=4, rank_decode=2,
+                               iters=3, buffer_length=64, backbone="kivi")
+PRESETS["gear-4"] = GEARConfig(bits=4, sparsity=0.02, rank=4, rank_decode=2, iters=3,
+                               buffer_length=20, backbone="kcvt")
+PRESETS["gearl-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.0, rank=4, rank_decode=2,
+                                iters=3, buffer_length=64, backbone="kivi")
+PRESETS["gearl-4"] = GEARConfig(bits=4, sparsity=0.0, rank=4, rank_decode=2, iters=3,
+                                buffer_length=20, backbone="kcvt")
+PRESETS["outlier-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.02, rank=0, rank_decode=0,
+                                  iters=3, buffer_length=64, backbone="kivi")

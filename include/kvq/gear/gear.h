@@ -1,0 +1,122 @@
+// GEAR (quantized backbone + exact sparse outliers + low-rank residual): the pieces that
+// glue kvq::select (outliers), kvq::quant (group quantization) and kvq::linalg (power
+// iteration) together, with their CPU twins.  Torch-free.
+//
+// Compress, per [T, D] matrix (N = batch * heads matrices):
+//   1. outliers: per vector (key channel / value token) the k largest and k smallest
+//      entries (outlier_topk.h) -> values (input dtype, exact) + compact indices; the
+//      bounds (lo, hi) = smallest / largest entry that is not an outlier.
+//   2. xc = clamp(x, lo_v, hi_v): outliers pulled to the edge of the inlier range so they
+//      do not stretch any quantization group (only outliers change).
+//   3. backbone: kvq group quantization of xc (group_quant.h format, unchanged).
+//   4. residual R = xc - dequant(codes), stored as fp16, and set to 0 at outlier positions
+//      (an outlier is restored exactly, so its residual is irrelevant).
+//   5. A [T, r], B [D, r] = lowrank_power_iter(R) (power_svd.h), stored as fp16.
+// Decompress: out = dequant(codes) + A B^T, then every outlier position is overwritten by
+// its stored value (so outliers come back bit-exact).
+#pragma once
+#include <cstdint>
+
+#include "kvq/common/half.h"
+#include "kvq/common/macros.h"
+#include "kvq/quant/group_quant.h"
+
+namespace kvq {
+namespace gear {
+
+/// \brief Element-wise / row-wise GEAR glue parameters (one compress or decompress call).
+struct GearParams {
+  const void* x;             // [N, T, D] input (DType)
+  void* xc;                  // [N, T, D] DType: x clamped into each vector's inlier range
+  const float* bounds;       // [N, V, 2] (lo, hi) per vector
+  uint16_t* resid;           // [N, T, D] fp16 bits: residual (compress)
+  const void* ovalues;       // [N, V, 2k] DType outlier values
+  const void* oindices;      // [N, V, 2k] IdType outlier indices (position along the vector)
+  const uint16_t* A;         // [N, T, r] fp16 bits (decompress)
+  const uint16_t* B;         // [N, D, r] fp16 bits (decompress)
+  void* out;                 // [N, T, D] DType (decompress)
+  int32_t* status;           // optional [1] StatusFlag (finite check of x)
+  quant::GroupQuantParams q;  // backbone codes / scale / zero (+ N, T, D, group, bits)
+  int64_t N = 0, T = 0, D = 0, k = 0;
+  int rank = 0;
+  bool per_channel = false;
+};
+
+/// \brief Flat offset of element j of vector v of matrix n.
+KVQ_HOST_DEVICE int64_t vec_offset(const GearParams& p, int64_t n, int64_t v, int64_t j) {
+  return p.per_channel ? (n * p.T + j) * p.D + v : (n * p.T + v) * p.D + j;
+}
+
+// ---------------------------------------------------------------------------
+// CPU twins.  Ranges are over token rows [N * T) or over outlier vectors [N * V).
+// ---------------------------------------------------------------------------
+
+/// \brief xc = clamp(x, lo_v, hi_v) on rows [r0, r1); ORs StatusFlag bits of x into *status.
+template <typename DType>
+void gear_clamp_cpu(const GearParams& p, int64_t r0, int64_t r1) {
+  const DType* x = static_cast<const DType*>(p.x);
+  DType* xc = static_cast<DType*>(p.xc);
+  const int64_t V = p.per_channel ? p.D : p.T;
+  int32_t status = 0;
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t n = row / p.T, t = row % p.T;
+    for (int64_t c = 0; c < p.D; ++c) {
+      const float v = to_float(x[row * p.D + c]);
+      if (p.status) status |= quant::value_status(v);
+      const int64_t b = (n * V + (p.per_channel ? c : t)) * 2;
+      xc[row * p.D + c] = from_float<DType>(fminf(fmaxf(v, p.bounds[b]), p.bounds[b + 1]));
+    }
+  }
+  if (p.status && status) __atomic_fetch_or(p.status, status, __ATOMIC_RELAXED);
+}
+
+/// \brief resid = fp16(src - deq) on rows [r0, r1), src = xc (or x when there are no
+/// outliers), deq = the float dequantized backbone ([N, T, D]).
+template <typename DType>
+void gear_residual_cpu(const GearParams& p, const float* deq, int64_t r0, int64_t r1) {
+  const DType* src = static_cast<const DType*>(p.k > 0 ? p.xc : p.x);
+  for (int64_t i = r0 * p.D; i < r1 * p.D; ++i)
+    p.resid[i] = float_to_half_bits_rn(to_float(src[i]) - deq[i]);
+}
+
+/// \brief resid = 0 at the outlier positions of vectors [v0, v1).
+template <typename IdType>
+void gear_zero_outliers_cpu(const GearParams& p, int64_t v0, int64_t v1) {
+  const IdType* idx = static_cast<const IdType*>(p.oindices);
+  const int64_t V = p.per_channel ? p.D : p.T;
+  for (int64_t vv = v0; vv < v1; ++vv)
+    for (int64_t s = 0; s < 2 * p.k; ++s)
+      p.resid[vec_offset(p, vv / V, vv % V, (int64_t)idx[vv * 2 * p.k + s])] = 0;
+}
+
+/// \brief out = DType(deq + A B^T) on rows [r0, r1) (deq: float dequantized backbone).
+template <typename DType>
+void gear_lowrank_add_cpu(const GearParams& p, const float* deq, int64_t r0, int64_t r1) {
+  DType* out = static_cast<DType*>(p.out);
+  const int r = p.rank;
+  for (int64_t row = r0; row < r1; ++row) {
+    const int64_t n = row / p.T;
+    const uint16_t* a = p.A + row * r;
+    for (int64_t c = 0; c < p.D; ++c) {
+      float v = deq[row * p.D + c];
+      const uint16_t* b = p.B + (n * p.D + c) * r;
+      for (int i = 0; i < r; ++i) v += half_bits_to_float(a[i]) * half_bits_to_float(b[i]);
+      out[row * p.D + c] = from_float<DType>(v);
+    }
+  }
+}
+
+/// \brief out[outlier position] = stored value, vectors [v0, v1).
+template <typename DType, typename IdType>
+void gear_scatter_outliers_cpu(const GearParams& p, int64_t v0, int64_t v1) {
+  const IdType* idx = static_cast<const IdType*>(p.oindices);
+  const DType* val = static_cast<const DType*>(p.ovalues);
+  DType* out = static_cast<DType*>(p.out);
+  const int64_t V = p.per_channel ? p.D : p.T;
+  for (int64_t vv = v0; vv < v1; ++vv)
+    for (int64_t s = 0; s < 2 * p.k; ++s)
+      out[vec_offset(p, vv / V, vv % V, (int64_t)idx[vv * 2 * p.k + s])] = val[vv * 2 * p.k + s];
+}
+
+}  // namespace gear
+}  // namespace kvq

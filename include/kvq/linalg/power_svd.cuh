@@ -1,0 +1,431 @@
+// CUDA kernels of the batched rank-r power iteration (algorithm: power_svd.h).  Torch-free.
+//
+// Every iteration is ONE pass over X that computes P = X B~ on the fly (never stored) and
+// accumulates both G = P^T P and M = X^T P, so X is read iters + 1 times in total and
+// nothing of size [T, *] besides the final A is ever written.
+//
+//  * Small matrices (T padded to 32 <= 256 and the tile fits in shared memory, e.g. a decode
+//    block of 20-64 tokens): one 256-thread block per matrix holds all of X in shared memory
+//    (fp32, padded rows) and runs the whole algorithm, including the tiny [r, r] solves, in
+//    one launch.
+//  * Long matrices (prefill, up to 128k+ tokens): the T axis is split over S blocks per
+//    matrix (S from power_iter_splits, ~4 blocks per SM in total); a pass kernel streams
+//    32-row tiles through shared memory and writes per-block partial M and G, a finalize
+//    kernel (one block per matrix) sums the partials in a fixed order (deterministic),
+//    orthonormalizes and writes the next basis.  2 launches per iteration + 1 for A.
+//
+// Thread mapping (256 threads): P of a 32-row tile = 32 rows x 8 lanes, lane q of a row
+// covers channels j = q (mod 8) and the 8 lanes reduce with xor shuffles; M is accumulated
+// in registers with thread (j, column group) owning M[j, c] for its columns (the tile row
+// is broadcast from shared memory); G by RB*RB threads.  Shared row strides are chosen so
+// both access patterns are bank-conflict free (X rows: DMAX + 8 floats; bases: 9 floats).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "kvq/common/half.h"
+#include "kvq/linalg/power_svd.h"
+
+namespace kvq {
+namespace linalg {
+
+constexpr int kPowThreads = 256;
+constexpr int kPowTile = 32;  // rows per P sub-tile
+constexpr int kBStride = 9;   // shared row stride of [d, r] bases and of P tiles
+constexpr unsigned kPowFullMask = 0xffffffffu;
+
+template <int DMAX>
+struct PowerDims {
+  static constexpr int STRIDE = DMAX + 8;
+  static constexpr int CG = kPowThreads / DMAX;  // column groups of the M accumulation
+};
+template <int DMAX, int RB>
+struct PowerSlots {
+  static constexpr int CG = PowerDims<DMAX>::CG;
+  static constexpr int SLOTS = (RB + CG - 1) / CG;
+};
+
+/// \brief Rows [t0, t0 + rows_pad) of X ([T, d]) into Rs as floats; rows >= T are zero.
+template <typename DType, int DMAX>
+__device__ __forceinline__ void pow_load_rows(const DType* X, int64_t T, int d, int64_t t0,
+                                              int rows_pad, float* Rs) {
+  constexpr int STRIDE = PowerDims<DMAX>::STRIDE;
+  const int total = rows_pad * d;
+  for (int idx = threadIdx.x; idx < total; idx += kPowThreads) {
+    const int row = idx / d, j = idx - row * d;
+    const int64_t t = t0 + row;
+    Rs[row * STRIDE + j] = t < T ? to_float(X[t * d + j]) : 0.f;
+  }
+}
+
+/// \brief Ps[row0 .. row0 + 32) = Rs rows x Bs ([d, RB], stride 9).  All 256 threads.
+template <int DMAX, int RB>
+__device__ __forceinline__ void pow_compute_P(const float* Rs, int row0, int d, const float* Bs,
+                                              float* Ps) {
+  constexpr int STRIDE = PowerDims<DMAX>::STRIDE;
+  const int row = threadIdx.x >> 3, q = threadIdx.x & 7;
+  const float* xr = Rs + (row0 + row) * STRIDE;
+  float acc[RB];
+#pragma unroll
+  for (int c = 0; c < RB; ++c) acc[c] = 0.f;
+  for (int j = q; j < d; j += 8) {
+    const float rv = xr[j];
+    const float* b = Bs + j * kBStride;
+#pragma unroll
+    for (int c = 0; c < RB; ++c) acc[c] = fmaf(rv, b[c], acc[c]);
+  }
+#pragma unroll
+  for (int c = 0; c < RB; ++c) {
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) acc[c] += __shfl_xor_sync(kPowFullMask, acc[c], o);
+  }
+  float mine = 0.f;
+#pragma unroll
+  for (int c = 0; c < RB; ++c)
+    if (c == q) mine = acc[c];
+  if (q < RB) Ps[(row0 + row) * kBStride + q] = mine;
+}
+
+/// \brief Accumulate M += Rs^T Ps (owned entries, registers) and G += Ps^T Ps (threads < RB^2).
+template <int DMAX, int RB>
+__device__ __forceinline__ void pow_accumulate(const float* Rs, const float* Ps, int row0,
+                                               int nrows, int d,
+                                               float (&m)[PowerSlots<DMAX, RB>::SLOTS], float& g) {
+  constexpr int STRIDE = PowerDims<DMAX>::STRIDE, CG = PowerDims<DMAX>::CG;
+  constexpr int SLOTS = PowerSlots<DMAX, RB>::SLOTS;
+  const int j = threadIdx.x % DMAX, grp = threadIdx.x / DMAX;
+  if (j < d) {
+    for (int row = row0; row < row0 + nrows; ++row) {
+      const float rv = Rs[row * STRIDE + j];
+#pragma unroll
+      for (int s = 0; s < SLOTS; ++s) {
+        const int c = grp + s * CG;
+        if (c < RB) m[s] = fmaf(rv, Ps[row * kBStride + c], m[s]);
+      }
+    }
+  }
+  if (threadIdx.x < RB * RB) {
+    const int a = threadIdx.x / RB, b = threadIdx.x % RB;
+    for (int row = row0; row < row0 + nrows; ++row)
+      g = fmaf(Ps[row * kBStride + a], Ps[row * kBStride + b], g);
+  }
+}
+
+/// \brief Store the owned M entries into M_out[j * RB + c].
+template <int DMAX, int RB>
+__device__ __forceinline__ void pow_store_M(const float (&m)[PowerSlots<DMAX, RB>::SLOTS], int d,
+                                            float* M_out) {
+  constexpr int CG = PowerDims<DMAX>::CG, SLOTS = PowerSlots<DMAX, RB>::SLOTS;
+  const int j = threadIdx.x % DMAX, grp = threadIdx.x / DMAX;
+  if (j >= d) return;
+#pragma unroll
+  for (int s = 0; s < SLOTS; ++s) {
+    const int c = grp + s * CG;
+    if (c < RB) M_out[j * RB + c] = m[s];
+  }
+}
+
+/// \brief Gd = Bs^T Bs in double (threads < RB^2).
+template <int RB>
+__device__ __forceinline__ void pow_gram_B(const float* Bs, int d, double* Gd) {
+  if (threadIdx.x < RB * RB) {
+    const int a = threadIdx.x / RB, b = threadIdx.x % RB;
+    double s = 0.0;
+    for (int j = 0; j < d; ++j) s += (double)Bs[j * kBStride + a] * (double)Bs[j * kBStride + b];
+    Gd[a * RB + b] = s;
+  }
+}
+
+/// \brief Orthonormalize the r columns of Bs in place (refill all-zero columns first).
+/// Starts and ends with a barrier-consistent Bs.
+template <int RB>
+__device__ void pow_orth_block(float* Bs, int d, int r, uint64_t seed, double* Gd, double* Kd,
+                               int* s_flag) {
+  __syncthreads();
+  pow_gram_B<RB>(Bs, d, Gd);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int m = 0;
+    for (int c = 0; c < r; ++c)
+      if (Gd[c * RB + c] == 0.0) m |= 1 << c;
+    *s_flag = m;
+  }
+  __syncthreads();
+  const int mask = *s_flag;
+  if (mask) {  // block-uniform
+    for (int j = threadIdx.x; j < d; j += kPowThreads)
+      for (int c = 0; c < r; ++c)
+        if ((mask >> c) & 1) Bs[j * kBStride + c] = init_value(seed, j, c);
+    __syncthreads();
+    pow_gram_B<RB>(Bs, d, Gd);
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < RB * RB; ++i) Kd[i] = 0.0;
+    gram_orthonormalizer(Gd, RB, r, Kd, RB, 0.0);
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < d; j += kPowThreads) {
+    float row[RB];
+#pragma unroll
+    for (int c = 0; c < RB; ++c) row[c] = Bs[j * kBStride + c];
+#pragma unroll
+    for (int c = 0; c < RB; ++c) {
+      double s = 0.0;
+#pragma unroll
+      for (int a = 0; a <= c; ++a) s += (double)row[a] * Kd[a * RB + c];
+      Bs[j * kBStride + c] = (float)s;
+    }
+  }
+  __syncthreads();
+}
+
+/// \brief Bs = orth(Omega): the start basis (columns >= r are zero).
+template <int RB>
+__device__ void pow_init_basis(float* Bs, int d, int r, uint64_t seed, double* Gd, double* Kd,
+                               int* s_flag) {
+  for (int j = threadIdx.x; j < d; j += kPowThreads)
+#pragma unroll
+    for (int c = 0; c < RB; ++c) Bs[j * kBStride + c] = c < r ? init_value(seed, j, c) : 0.f;
+  pow_orth_block<RB>(Bs, d, r, seed, Gd, Kd, s_flag);
+}
+
+/// \brief From M (Ms, [d, RB]) and G (Gd) of this iteration and the basis Bs it used:
+/// K = orthonormalizer(G); B_i = M K; W = Bs K (all RB wide).  Not last: leave orth(B_i) in
+/// Bs.  Last: truncate to rank r (U = top-r eigenvectors of B_i^T B_i), write B_i U to Bout
+/// ([d, r]) and leave W U (columns >= r zero) in Bs.  Ms is overwritten.  Ends with a barrier.
+template <typename DType, int RB>
+__device__ void pow_finalize(float* Ms, const double* Gd, double* Kd, float* Bs, int d, int r,
+                             bool last, uint64_t seed, DType* Bout, double* Gtmp, int* s_flag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < RB * RB; ++i) Kd[i] = 0.0;
+    gram_orthonormalizer(Gd, RB, RB, Kd, RB, 1e-7);
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < d; j += kPowThreads) {  // each thread owns whole rows j
+    float bn[RB], w[RB];
+#pragma unroll
+    for (int c = 0; c < RB; ++c) {
+      double sb = 0.0, sw = 0.0;
+#pragma unroll
+      for (int a = 0; a <= c; ++a) {
+        sb += (double)Ms[j * RB + a] * Kd[a * RB + c];
+        sw += (double)Bs[j * kBStride + a] * Kd[a * RB + c];
+      }
+      bn[c] = (float)sb;
+      w[c] = (float)sw;
+    }
+#pragma unroll
+    for (int c = 0; c < RB; ++c) {
+      Bs[j * kBStride + c] = last ? w[c] : bn[c];
+      Ms[j * RB + c] = bn[c];
+    }
+  }
+  if (!last) {
+    pow_orth_block<RB>(Bs, d, RB, seed, Gtmp, Kd, s_flag);
+    return;
+  }
+  __syncthreads();
+  if (threadIdx.x < RB * RB) {  // Gram of B_i (now in Ms)
+    const int a = threadIdx.x / RB, b = threadIdx.x % RB;
+    double s = 0.0;
+    for (int j = 0; j < d; ++j) s += (double)Ms[j * RB + a] * (double)Ms[j * RB + b];
+    Gtmp[a * RB + b] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) sym_eig_desc(Gtmp, RB, RB, Kd, RB);
+  __syncthreads();
+  for (int j = threadIdx.x; j < d; j += kPowThreads) {
+    float bo[RB], wo[RB];
+#pragma unroll
+    for (int c = 0; c < RB; ++c) {
+      double sb = 0.0, sw = 0.0;
+      if (c < r) {
+#pragma unroll
+        for (int a = 0; a < RB; ++a) {
+          sb += (double)Ms[j * RB + a] * Kd[a * RB + c];
+          sw += (double)Bs[j * kBStride + a] * Kd[a * RB + c];
+        }
+      }
+      bo[c] = (float)sb;
+      wo[c] = (float)sw;
+    }
+    for (int c = 0; c < r; ++c) Bout[j * r + c] = from_float<DType>(bo[c]);
+#pragma unroll
+    for (int c = 0; c < RB; ++c) Bs[j * kBStride + c] = wo[c];
+  }
+  __syncthreads();
+}
+
+// ---------------------------------------------------------------------------
+// Small path: one block per matrix, X resident in shared memory.
+// ---------------------------------------------------------------------------
+template <typename DType, int DMAX, int RB>
+__global__ void __launch_bounds__(kPowThreads) PowerIterSmallKernel(PowerIterParams p,
+                                                                    int rows_pad) {
+  constexpr int STRIDE = PowerDims<DMAX>::STRIDE, SLOTS = PowerSlots<DMAX, RB>::SLOTS;
+  extern __shared__ float pow_smem[];
+  __shared__ float Bs[DMAX * kBStride];
+  __shared__ float Ms[DMAX * RB];
+  __shared__ double Gd[RB * RB], Kd[RB * RB], Gtmp[RB * RB];
+  __shared__ int s_flag;
+  float* Rs = pow_smem;
+  float* Ps = pow_smem + (size_t)rows_pad * STRIDE;
+  const int64_t n = blockIdx.x, T = p.T;
+  const int d = (int)p.d, r = p.rank;
+  const DType* X = static_cast<const DType*>(p.x) + n * T * d;
+  pow_load_rows<DType, DMAX>(X, T, d, 0, rows_pad, Rs);
+  pow_init_basis<RB>(Bs, d, RB, p.seed, Gtmp, Kd, &s_flag);  // ends with a barrier
+  DType* Bout = static_cast<DType*>(p.B) + n * d * r;
+  for (int it = 1; it <= p.iters; ++it) {
+    for (int row0 = 0; row0 < rows_pad; row0 += kPowTile) pow_compute_P<DMAX, RB>(Rs, row0, d, Bs, Ps);
+    __syncthreads();
+    float m[SLOTS];
+#pragma unroll
+    for (int s = 0; s < SLOTS; ++s) m[s] = 0.f;
+    float g = 0.f;
+    pow_accumulate<DMAX, RB>(Rs, Ps, 0, rows_pad, d, m, g);
+    pow_store_M<DMAX, RB>(m, d, Ms);
+    if (threadIdx.x < RB * RB) Gd[threadIdx.x] = (double)g;
+    pow_finalize<DType, RB>(Ms, Gd, Kd, Bs, d, r, it == p.iters, p.seed, Bout, Gtmp, &s_flag);
+  }
+  // Bs now holds W: A = X W.
+  for (int row0 = 0; row0 < rows_pad; row0 += kPowTile) pow_compute_P<DMAX, RB>(Rs, row0, d, Bs, Ps);
+  __syncthreads();
+  DType* A = static_cast<DType*>(p.A) + n * T * r;
+  for (int idx = threadIdx.x; idx < T * r; idx += kPowThreads) {
+    const int t = idx / r, c = idx - t * r;
+    A[idx] = from_float<DType>(Ps[t * kBStride + c]);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Split path: grid (S, N) pass kernels + one finalize block per matrix.
+// Workspace (floats): Bt [N, d, RB] | W [N, d, RB] | partials [N, S, d*RB + RB*RB].
+// ---------------------------------------------------------------------------
+template <typename DType, int DMAX, int RB>
+__global__ void __launch_bounds__(kPowThreads) PowerIterPassKernel(PowerIterParams p, int it,
+                                                                   int64_t rows_per_split) {
+  constexpr int STRIDE = PowerDims<DMAX>::STRIDE, SLOTS = PowerSlots<DMAX, RB>::SLOTS;
+  __shared__ float Rs[kPowTile * STRIDE];
+  __shared__ float Ps[kPowTile * kBStride];
+  __shared__ float Bs[DMAX * kBStride];
+  __shared__ double Gd[RB * RB], Kd[RB * RB];
+  __shared__ int s_flag;
+  const int64_t s = blockIdx.x, n = blockIdx.y, S = gridDim.x, N = p.N, T = p.T;
+  const int d = (int)p.d, r = p.rank;
+  const DType* X = static_cast<const DType*>(p.x) + n * T * d;
+  if (it == 1) {
+    pow_init_basis<RB>(Bs, d, RB, p.seed, Gd, Kd, &s_flag);
+  } else {
+    const float* src = p.ws + (it == 0 ? N * d * RB : 0) + n * d * RB;
+    for (int idx = threadIdx.x; idx < d * RB; idx += kPowThreads)
+      Bs[(idx / RB) * kBStride + idx % RB] = src[idx];
+  }
+  const int64_t t_begin = s * rows_per_split;
+  const int64_t t_end = t_begin + rows_per_split < T ? t_begin + rows_per_split : T;
+  float m[SLOTS];
+#pragma unroll
+  for (int i = 0; i < SLOTS; ++i) m[i] = 0.f;
+  float g = 0.f;
+  DType* A = static_cast<DType*>(p.A) + n * T * r;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kPowTile) {
+    const int rows = (int)(t_end - t0 < kPowTile ? t_end - t0 : kPowTile);
+    __syncthreads();  // previous tile fully consumed (and Bs loaded)
+    pow_load_rows<DType, DMAX>(X, t_end, d, t0, kPowTile, Rs);
+    __syncthreads();
+    pow_compute_P<DMAX, RB>(Rs, 0, d, Bs, Ps);
+    __syncthreads();
+    if (it == 0) {
+      for (int idx = threadIdx.x; idx < rows * r; idx += kPowThreads) {
+        const int row = idx / r, c = idx - row * r;
+        A[(t0 + row) * r + c] = from_float<DType>(Ps[row * kBStride + c]);
+      }
+    } else {
+      pow_accumulate<DMAX, RB>(Rs, Ps, 0, rows, d, m, g);
+    }
+  }
+  if (it != 0) {
+    float* part = p.ws + 2 * N * d * RB + (n * S + s) * (int64_t)(d * RB + RB * RB);
+    pow_store_M<DMAX, RB>(m, d, part);
+    if (threadIdx.x < RB * RB) part[d * RB + threadIdx.x] = g;
+  }
+}
+
+template <typename DType, int DMAX, int RB>
+__global__ void __launch_bounds__(kPowThreads) PowerIterFinalizeKernel(PowerIterParams p, int it,
+                                                                       int64_t S) {
+  __shared__ float Bs[DMAX * kBStride];
+  __shared__ float Ms[DMAX * RB];
+  __shared__ double Gd[RB * RB], Kd[RB * RB], Gtmp[RB * RB];
+  __shared__ int s_flag;
+  const int64_t n = blockIdx.x, N = p.N;
+  const int d = (int)p.d, r = p.rank;
+  const int PS = d * RB + RB * RB;
+  const float* part = p.ws + 2 * N * d * RB + n * S * PS;
+  for (int e = threadIdx.x; e < PS; e += kPowThreads) {
+    float acc = 0.f;
+    for (int64_t sp = 0; sp < S; ++sp) acc += part[sp * PS + e];
+    if (e < d * RB) Ms[e] = acc;
+    else Gd[e - d * RB] = (double)acc;
+  }
+  float* Bt = p.ws + n * d * RB;
+  float* W = p.ws + N * d * RB + n * d * RB;
+  if (it == 1) {
+    pow_init_basis<RB>(Bs, d, RB, p.seed, Gtmp, Kd, &s_flag);
+  } else {
+    for (int idx = threadIdx.x; idx < d * RB; idx += kPowThreads)
+      Bs[(idx / RB) * kBStride + idx % RB] = Bt[idx];
+  }
+  const bool last = it == p.iters;
+  DType* Bout = static_cast<DType*>(p.B) + n * d * r;
+  pow_finalize<DType, RB>(Ms, Gd, Kd, Bs, d, r, last, p.seed, Bout, Gtmp, &s_flag);
+  float* dst = last ? W : Bt;
+  for (int idx = threadIdx.x; idx < d * RB; idx += kPowThreads)
+    dst[idx] = Bs[(idx / RB) * kBStride + idx % RB];
+}
+
+/// \brief Small-path dynamic shared memory (bytes) for T rows, or 0 if it does not fit.
+template <int DMAX>
+inline size_t power_small_smem(int64_t T) {
+  constexpr size_t kLimit = 160 * 1024;
+  const int64_t rows_pad = (T + kPowTile - 1) / kPowTile * kPowTile;
+  if (rows_pad > 256) return 0;
+  const size_t bytes = (size_t)rows_pad * (PowerDims<DMAX>::STRIDE + kBStride) * sizeof(float);
+  return bytes <= kLimit ? bytes : 0;
+}
+
+/// \brief Rank-r factors of every [T, d] matrix (see power_svd.h).  Needs p.ws with
+/// power_iter_workspace_floats(N, T, d, r) floats on the split path (always pass it).
+template <typename DType, int DMAX, int RB>
+cudaError_t PowerIter(const PowerIterParams& p, cudaStream_t stream) {
+  if (p.N == 0) return cudaSuccess;
+  if (p.T == 0) {  // A is empty; B = X^T A = 0
+    return cudaMemsetAsync(p.B, 0, (size_t)(p.N * p.d * p.rank) * sizeof(DType), stream);
+  }
+  if (p.d > DMAX || p.rank > RB || p.rank < 1 || p.iters < 1) return cudaErrorInvalidValue;
+  const size_t smem = power_small_smem<DMAX>(p.T);
+  if (smem > 0) {
+    static const cudaError_t attr = cudaFuncSetAttribute(
+        PowerIterSmallKernel<DType, DMAX, RB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        160 * 1024);
+    if (attr != cudaSuccess) return attr;
+    const int rows_pad = (int)((p.T + kPowTile - 1) / kPowTile * kPowTile);
+    PowerIterSmallKernel<DType, DMAX, RB><<<(unsigned)p.N, kPowThreads, smem, stream>>>(p, rows_pad);
+    return cudaGetLastError();
+  }
+  if (p.ws == nullptr) return cudaErrorInvalidValue;
+  if (p.N > 65535) return cudaErrorInvalidConfiguration;
+  const int64_t S = power_iter_splits(p.N, p.T);
+  const int64_t rps = ((p.T + S - 1) / S + kPowTile - 1) / kPowTile * kPowTile;
+  const dim3 grid((unsigned)S, (unsigned)p.N);
+  for (int it = 1; it <= p.iters; ++it) {
+    PowerIterPassKernel<DType, DMAX, RB><<<grid, kPowThreads, 0, stream>>>(p, it, rps);
+    PowerIterFinalizeKernel<DType, DMAX, RB><<<(unsigned)p.N, kPowThreads, 0, stream>>>(p, it, S);
+  }
+  PowerIterPassKernel<DType, DMAX, RB><<<grid, kPowThreads, 0, stream>>>(p, 0, rps);
+  return cudaGetLastError();
+}
+
+}  // namespace linalg
+}  // namespace kvq

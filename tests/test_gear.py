@@ -1,0 +1,543 @@
+"""GEAR (issue 3): kvq.outlier_select, kvq.lowrank_power_iter, kvq.gear_compress /
+gear_decompress, GEARConfig presets and the GEAR streaming cache.
+
+CPU tests check the ops against the plain-PyTorch reference (tests/reference/
+gear_reference.py) and against torch.linalg.svd; CUDA tests run the same inputs through the
+CUDA kernels and compare with the CPU op (skipped without a GPU).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvquant_ext as kvq
+from reference.gear_reference import (gear_ref, kivi_ref, outlier_count, outlier_select_ref,
+                                      power_iter_ref)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEAD_DIMS = [64, 128]
+SEEDS = [0, 1]
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA not available")
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def decaying(shape, r_signal=12, decay=0.6, noise=1e-3, seed=0):
+    """Matrices [..., T, d] with singular values decay**i (plus a little noise)."""
+    g = torch.Generator().manual_seed(seed)
+    *lead, T, d = shape
+    U = torch.linalg.qr(torch.randn(*lead, T, r_signal, generator=g, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(*lead, d, r_signal, generator=g, dtype=torch.float64)).Q
+    s = decay ** torch.arange(r_signal, dtype=torch.float64)
+    X = (U * s) @ V.mT + noise * torch.randn(*lead, T, d, generator=g, dtype=torch.float64)
+    return X.float()
+
+
+def kv_like(B, H, T, D, seed=0, outlier_frac=0.01, dtype=torch.float16):
+    """Key-like data with structured residuals: per-channel offsets and scales, a low-rank
+    component, noise, and sparse large outliers."""
+    g = torch.Generator().manual_seed(seed)
+    chan_scale = 0.5 + 2 * torch.rand(B, H, 1, D, generator=g)
+    chan_off = torch.randn(B, H, 1, D, generator=g)
+    low = torch.randn(B, H, T, 4, generator=g) @ torch.randn(B, H, 4, D, generator=g)
+    x = chan_off + chan_scale * (0.6 * low + 0.4 * torch.randn(B, H, T, D, generator=g))
+    m = torch.rand(B, H, T, D, generator=g) < outlier_frac
+    x = x + m * torch.randn(B, H, T, D, generator=g).sign() * 15.0
+    return x.to(dtype)
+
+
+# ============================================================================ outlier_select
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("T,D", [(17, 64), (300, 128), (1025, 64)])
+def test_outlier_select_matches_reference(dtype, per_channel, T, D):
+    x = torch.randn(2, 3, T, D, generator=torch.Generator().manual_seed(T + D)).to(dtype)
+    L = T if per_channel else D
+    k = max(1, outlier_count(0.05, L))
+    vals, idx = kvq.outlier_select(x, k, per_channel)
+    rv, ridx, _, _ = outlier_select_ref(x, k, per_channel)
+    assert vals.dtype == dtype and idx.dtype == kvq.outlier_index_dtype(L)
+    assert vals.shape == (2, 3, D if per_channel else T, 2 * k)
+    torch.testing.assert_close(idx.long(), ridx, rtol=0, atol=0)
+    torch.testing.assert_close(vals, rv, rtol=0, atol=0)
+    # values are the entries at the indices, and pass the k-th value thresholds
+    vec = x.transpose(-1, -2) if per_channel else x
+    torch.testing.assert_close(torch.gather(vec, -1, idx.long()), vals, rtol=0, atol=0)
+    kth_top = vec.float().topk(k, dim=-1).values[..., -1:]
+    kth_bot = (-vec.float()).topk(k, dim=-1).values[..., -1:].neg()
+    assert (vals[..., :k].float() >= kth_top).all() and (vals[..., k:].float() <= kth_bot).all()
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("L", [40, 700])
+def test_outlier_select_ties(per_channel, L):
+    """Many equal values: the documented tie rule (smaller index counts as larger)."""
+    g = torch.Generator().manual_seed(L)
+    shape = (1, 2, L, 64) if per_channel else (1, 2, 64, L)
+    if not per_channel and L > 256:
+        shape = (1, 2, 8, L)
+    x = torch.randint(1, 6, shape, generator=g).float()
+    k = 7
+    vals, idx = kvq.outlier_select(x, k, per_channel)
+    rv, ridx, _, _ = outlier_select_ref(x, k, per_channel)
+    torch.testing.assert_close(idx.long(), ridx, rtol=0, atol=0)
+    torch.testing.assert_close(vals, rv, rtol=0, atol=0)
+
+
+def test_outlier_count_matches_issue():
+    assert kvq.outlier_count(0.02, 32768) == 328
+    assert kvq.outlier_count(0.02, 128) == 2
+    assert kvq.outlier_count(0.02, 100) == 1
+    assert kvq.outlier_count(0.0, 100) == 0
+    for s in (0.01, 0.02, 0.1, 0.3, 0.49):
+        for L in (1, 2, 3, 20, 64, 100, 4096):
+            assert kvq.outlier_count(s, L) == outlier_count(s, L)
+
+
+# ============================================================================ power iteration
+@pytest.mark.parametrize("T,d", [(20, 64), (300, 128), (2000, 64), (64, 256)])
+@pytest.mark.parametrize("rank", [1, 2, 4, 8])
+def test_power_iter_near_optimal(T, d, rank):
+    X = decaying((2, 2, T, d), decay=0.6, seed=T + rank)
+    A, B = kvq.lowrank_power_iter(X, rank, iters=3, seed=0)
+    assert A.shape == (2, 2, T, rank) and B.shape == (2, 2, d, rank)
+    err = (X - A @ B.mT).double().flatten(-2).norm(dim=-1)
+    S = torch.linalg.svdvals(X.double())
+    opt = S[..., rank:].pow(2).sum(-1).sqrt()
+    # NOTE: rank 8 cannot be oversampled (width 8 is the maximum), so 3 plain iterations
+    # are a few percent off when sigma_8 ~ sigma_9; ranks < 8 are within ~1%.
+    factor = 1.03 if rank < 8 else 1.15
+    assert (err <= factor * opt + 1e-4 * S[..., 0]).all(), (err, opt)
+    Ar, Br = power_iter_ref(X, rank, 3, 0)
+    err_ref = (X.double() - Ar @ Br.mT).flatten(-2).norm(dim=-1)
+    assert (err <= 1.01 * err_ref + 1e-4 * S[..., 0]).all(), (err, err_ref)
+    # A has orthonormal columns; B = X^T A
+    eye = torch.eye(rank, dtype=torch.float64)
+    torch.testing.assert_close(A.double().mT @ A.double(), eye.expand(2, 2, -1, -1), atol=1e-4, rtol=0)
+    torch.testing.assert_close(B, X.mT @ A, atol=1e-4, rtol=1e-4)
+    # subspace agrees with the reference implementation (projections, not raw vectors)
+    Ar, _ = power_iter_ref(X, rank, 3, 0)
+    torch.testing.assert_close(A.double() @ A.double().mT, Ar @ Ar.mT, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_power_iter_dtypes_and_batch_independence(dtype):
+    X = decaying((3, 2, 100, 64), seed=5).to(dtype)
+    A, B = kvq.lowrank_power_iter(X, 4, iters=3, seed=7)
+    assert A.dtype == dtype and B.dtype == dtype
+    for b in range(3):
+        A1, B1 = kvq.lowrank_power_iter(X[b:b + 1], 4, iters=3, seed=7)
+        torch.testing.assert_close(A[b:b + 1], A1, rtol=0, atol=0)
+        torch.testing.assert_close(B[b:b + 1], B1, rtol=0, atol=0)
+    tol = 0.05 if dtype != torch.float32 else 1e-3
+    S = torch.linalg.svdvals(X.double())
+    opt = S[..., 4:].pow(2).sum(-1).sqrt()
+    err = (X.double() - A.double() @ B.double().mT).flatten(-2).norm(dim=-1)
+    assert (err <= opt * 1.03 + tol * S[..., 0]).all()
+
+
+def test_power_iter_zero_and_rank_deficient():
+    A, B = kvq.lowrank_power_iter(torch.zeros(1, 1, 30, 64), 4, 3, 0)
+    assert torch.isfinite(A).all() and (A @ B.mT).abs().max() == 0
+    x = torch.randn(1, 1, 30, 1) @ torch.randn(1, 1, 1, 64)  # rank 1, asked for 4
+    A, B = kvq.lowrank_power_iter(x, 4, 3, 0)
+    assert torch.isfinite(A).all() and rel_err(A @ B.mT, x) < 1e-4
+
+
+# ============================================================================ gear_compress
+def _gear(x, per_channel, bits=2, G=16, s=0.02, r=4, iters=3, seed=0):
+    out = kvq.gear_compress(x, bits, G, per_channel, s, r, iters, seed)
+    rec = kvq.gear_decompress(*out, bits, per_channel, x.dtype)
+    return out, rec
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("T,D", [(64, 128), (96, 64), (320, 128)])
+def test_gear_matches_reference(dtype, per_channel, T, D):
+    x = kv_like(2, 2, T, D, seed=T, dtype=dtype)
+    G = 32
+    (codes, scale, zero, ov, oi, A, B), rec = _gear(x, per_channel, G=G, s=0.04)
+    ref, parts = gear_ref(x, 2, G, per_channel, 0.04, 4)
+    k = parts["k"]
+    assert ov.shape[-1] == 2 * k and A.dtype == torch.float16 and B.dtype == torch.float16
+    assert A.shape == (2, 2, T, 4) and B.shape == (2, 2, D, 4)
+    torch.testing.assert_close(oi.long(), parts["indices"], rtol=0, atol=0)
+    torch.testing.assert_close(ov, parts["values"], rtol=0, atol=0)
+    assert rec.dtype == dtype and rec.shape == x.shape
+    # same reconstruction up to a rare 1-code difference and fp16 factor rounding
+    e_op, e_ref = rel_err(rec, x), rel_err(ref, x)
+    assert abs(e_op - e_ref) <= 0.05 * e_ref + 1e-3, (e_op, e_ref)
+    assert rel_err(rec, ref) < 0.25 * e_ref + 2e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_gear_outliers_exact(dtype, per_channel):
+    x = kv_like(2, 2, 128, 64, seed=3, outlier_frac=0.02, dtype=dtype)
+    (_, _, _, ov, oi, _, _), rec = _gear(x, per_channel, s=0.05)
+    vec_x = x.transpose(-1, -2) if per_channel else x
+    vec_r = rec.transpose(-1, -2) if per_channel else rec
+    torch.testing.assert_close(torch.gather(vec_r, -1, oi.long()), ov, rtol=0, atol=0)
+    torch.testing.assert_close(torch.gather(vec_x, -1, oi.long()), ov, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("bits,G", [(2, 32), (4, -1)])
+def test_gear_error_ordering(per_channel, bits, G):
+    """GEAR < GEAR-L < backbone alone on data with outliers and low-rank residuals."""
+    x = kv_like(2, 4, 256, 128, seed=11, dtype=torch.float32)
+    _, gear = _gear(x, per_channel, bits=bits, G=G, s=0.02, r=4)
+    _, gearl = _gear(x, per_channel, bits=bits, G=G, s=0.0, r=4)
+    _, outl = _gear(x, per_channel, bits=bits, G=G, s=0.02, r=0)
+    base = kvq.dequantize(*kvq.quantize(x, bits, G, per_channel), bits, per_channel, x.dtype)
+    e = {n: rel_err(v, x) for n, v in [("gear", gear), ("gearl", gearl), ("outlier", outl),
+                                        ("base", base)]}
+    assert e["gear"] < e["gearl"] < e["base"], e
+    assert e["gear"] < e["outlier"] < e["base"], e
+    torch.testing.assert_close(kivi_ref(x, bits, G, per_channel), base, atol=1e-5, rtol=0)
+
+
+def test_gear_batch_uses_own_factors():
+    a = kv_like(1, 2, 128, 64, seed=1)
+    b = 3.0 * kv_like(1, 2, 128, 64, seed=2)
+    outs_ab, rec_ab = _gear(torch.cat([a, b]), True)
+    _, rec_a = _gear(a, True)
+    _, rec_b = _gear(b, True)
+    torch.testing.assert_close(rec_ab, torch.cat([rec_a, rec_b]), rtol=0, atol=0)
+    A, B = outs_ab[5], outs_ab[6]
+    assert not torch.equal(B[0], B[1])
+
+
+@pytest.mark.parametrize("T", [0, 1, 5])
+def test_gear_small_and_empty(T):
+    x = kv_like(1, 2, max(T, 1), 64)[:, :, :T]
+    r = min(2, T)
+    out, rec = _gear(x, False, G=16, s=0.1, r=r)
+    assert rec.shape == x.shape
+    if T:
+        assert torch.isfinite(rec).all()
+
+
+def test_gear_nbytes_counts_everything():
+    cfg = kvq.get_config("gear-2")
+    x = kv_like(2, 4, 256, 128)
+    for role in ("key", "value"):
+        c = kvq.compress(x, cfg, role)
+        per_channel = role == "key"
+        L, V = (256, 128) if per_channel else (128, 256)
+        k = kvq.outlier_count(0.02, L)
+        ib = 1 if L <= 256 else 2
+        expect = (2 * 4 * 256 * 128 * 2 // 8                      # 2-bit codes
+                  + 2 * (2 * 4 * (256 * 128 // 64)) * 2            # fp16 scale + zero
+                  + 2 * 4 * V * 2 * k * (2 + ib)                   # outlier values + indices
+                  + 2 * 4 * (256 + 128) * 4 * 2)                   # fp16 A, B (rank 4)
+        assert c.nbytes == expect, (role, c.nbytes, expect)
+        assert c.bits_per_element == 8.0 * expect / x.numel() and 2.0 < c.bits_per_element < 4.5
+        assert rel_err(c.decompress(), x) < rel_err(kivi_ref(x, 2, 64, per_channel), x)
+
+
+def test_gear_compress_key_tail_and_small_rank():
+    cfg = kvq.GEARConfig(bits=2, group_size=32, rank=8, buffer_length=64)
+    x = kv_like(1, 2, 70, 64)
+    c = kvq.compress(x, cfg, "key")
+    assert c.tail.shape[2] == 6 and c.rank == 8
+    torch.testing.assert_close(c.decompress()[:, :, 64:], x[:, :, 64:], rtol=0, atol=0)
+    c = cfg.compress(x[:, :, :3], "value")  # rank clamped to T
+    assert c.rank == 3 and c.decompress().shape == (1, 2, 3, 64)
+
+
+# ============================================================================ configs / presets
+def test_presets():
+    g2, g4 = kvq.get_config("gear-2"), kvq.get_config("gear-4")
+    assert (g2.backbone, g2.bits, g2.group_size, g2.sparsity, g2.rank, g2.rank_decode, g2.iters,
+            g2.buffer_length) == ("kivi", 2, 64, 0.02, 4, 2, 3, 64)
+    assert (g4.backbone, g4.bits, g4.buffer_length) == ("kcvt", 4, 20)
+    assert kvq.get_config("gearl-2").sparsity == 0 and kvq.get_config("gearl-4").sparsity == 0
+    assert kvq.get_config("outlier-2").rank == 0
+    for name in ("gear-2", "gear-4", "gearl-2", "gearl-4", "outlier-2"):
+        cfg = kvq.get_config(name)
+        assert kvq.GEARConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("kw,arg", [
+    (dict(sparsity=0.5), "sparsity"), (dict(sparsity=-0.1), "sparsity"),
+    (dict(rank=9), "rank"), (dict(rank_decode=-1), "rank_decode"), (dict(iters=0), "iters"),
+    (dict(backbone="foo"), "backbone"), (dict(bits=3), "bits"),
+    (dict(buffer_length=48, group_size=32), "buffer_length"), (dict(group_size=12), "group_size"),
+])
+def test_config_validation(kw, arg):
+    with pytest.raises(ValueError, match=arg):
+        kvq.GEARConfig(**kw)
+
+
+# ============================================================================ streaming
+def _blockwise_expected(x, cfg, role, prefill):
+    """The streaming rule spelled out: prefill block at cfg.rank, then n_b blocks at
+    cfg.rank_decode, rest full precision."""
+    T = x.shape[2]
+    spec = cfg.spec(role)
+    n = prefill
+    if spec.per_channel and spec.group_size != -1:
+        n -= n % spec.group_size
+    parts, t = [], 0
+    if n:
+        parts.append(cfg.compress(x[:, :, :n], role, rank=cfg.rank).decompress())
+        t = n
+    while T - t >= cfg.buffer_length:
+        parts.append(cfg.compress(x[:, :, t:t + cfg.buffer_length], role,
+                                  rank=cfg.rank_decode).decompress())
+        t += cfg.buffer_length
+    parts.append(x[:, :, t:])
+    return torch.cat(parts, dim=2), t
+
+
+@pytest.mark.parametrize("name", ["gear-2", "gear-4", "gearl-2", "outlier-2"])
+def test_stream_equals_blockwise(name):
+    cfg = kvq.get_config(name)
+    B, H, D, prefill, steps = 2, 2, 64, 150, 90
+    k = kv_like(B, H, prefill + steps, D, seed=1)
+    v = kv_like(B, H, prefill + steps, D, seed=2)
+    cache = kvq.KVCache(cfg)
+    cache.update(k[:, :, :prefill], v[:, :, :prefill], 0)
+    for t in range(prefill, prefill + steps):
+        cache.update(k[:, :, t:t + 1], v[:, :, t:t + 1], 0)
+    K, V = cache.dequantize(0)
+    for got, x, role in ((K, k, "key"), (V, v, "value")):
+        exp, ncomp = _blockwise_expected(x, cfg, role, prefill)
+        torch.testing.assert_close(got, exp, rtol=0, atol=0)
+        stream = getattr(cache.layers[0], role)
+        assert stream.compressed_len == ncomp and stream.seq_len == prefill + steps
+        assert stream.block_offsets[0] == 0 and len(stream.blocks) >= 2
+        # every block agrees with the plain-PyTorch reference
+        for blk, off in zip(stream.blocks, stream.block_offsets):
+            spec = cfg.spec(role)
+            xb = x[:, :, off:off + blk.shape[2]]
+            ref, _ = gear_ref(xb, spec.bits, spec.group_size, spec.per_channel, cfg.sparsity,
+                              blk.rank, cfg.iters, cfg.seed)
+            e_op, e_ref = rel_err(blk.decompress(), xb), rel_err(ref, xb)
+            assert abs(e_op - e_ref) <= 0.05 * e_ref + 1e-3, (role, off, e_op, e_ref)
+    assert cache.get_seq_length(0) == prefill + steps
+    assert cache.nbytes == sum(t.numel() * t.element_size()
+                               for s in (cache.layers[0].key, cache.layers[0].value)
+                               for t in s.tensors().values() if t is not None)
+
+
+def test_stream_decode_block_ranks_and_no_recompression():
+    cfg = kvq.get_config("gear-2")
+    cache = kvq.KVCache(cfg)
+    x = kv_like(1, 2, 128 + 130, 64, seed=4)
+    cache.update(x[:, :, :128], x[:, :, :128], 0)
+    s = cache.layers[0].key
+    first = s.blocks[0]
+    assert first.rank == 4 and s.buffer_len == 0
+    for t in range(128, 258):
+        cache.update(x[:, :, t:t + 1], x[:, :, t:t + 1], 0)
+    assert s.blocks[0] is first  # never recompressed
+    assert [b.rank for b in s.blocks] == [4, 2, 2] and s.buffer_len == 2
+
+
+def test_cache_state_dict_round_trip():
+    cfg = kvq.get_config("gear-2")
+    cache = kvq.KVCache(cfg, num_layers=2)
+    k = kv_like(1, 2, 200, 64, seed=5)
+    for layer in range(2):
+        cache.update(k[:, :, :100], k[:, :, :100] * 0.5, layer)
+        for t in range(100, 200):
+            cache.update(k[:, :, t:t + 1], k[:, :, t:t + 1] * 0.5, layer)
+    sd = cache.state_dict()
+    other = kvq.KVCache(cfg)
+    other.load_state_dict(sd)
+    assert other.nbytes == cache.nbytes
+    for layer in range(2):
+        for a, b in zip(cache.dequantize(layer), other.dequantize(layer)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    more = kv_like(1, 2, 40, 64, seed=6)
+    for t in range(40):
+        cache.update(more[:, :, t:t + 1], more[:, :, t:t + 1], 0)
+        other.update(more[:, :, t:t + 1], more[:, :, t:t + 1], 0)
+    for a, b in zip(cache.dequantize(0), other.dequantize(0)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ============================================================================ bad input
+def test_bad_inputs():
+    x = kv_like(1, 2, 64, 64)
+    with pytest.raises(RuntimeError, match="sparsity"):
+        kvq.gear_compress(x, 2, 32, True, 0.5, 2)
+    with pytest.raises(RuntimeError, match="sparsity"):
+        kvq.gear_compress(x, 2, 32, True, -0.01, 2)
+    with pytest.raises(RuntimeError, match="rank"):
+        kvq.gear_compress(x, 2, 32, True, 0.02, 9)
+    with pytest.raises(RuntimeError, match="rank"):
+        kvq.gear_compress(x[:, :, :4], 2, 4, True, 0.02, 5)
+    with pytest.raises(RuntimeError, match="'x'"):
+        kvq.gear_compress(x.int(), 2, 32, True, 0.02, 2)
+    with pytest.raises(RuntimeError, match="'x'"):
+        kvq.gear_compress(x[0, 0, 0], 2, 32, True, 0.02, 2)
+    with pytest.raises(RuntimeError, match="group_size"):
+        kvq.gear_compress(x[:, :, :50], 2, 32, True, 0.02, 2)
+    bad = x.clone()
+    bad[0, 1, 5, 7] = float("nan")
+    for pc in (True, False):
+        for s in (0.0, 0.02):
+            with pytest.raises(RuntimeError, match="NaN"):
+                kvq.gear_compress(bad, 2, 32, pc, s, 2)
+    with pytest.raises(RuntimeError, match="rank"):
+        kvq.lowrank_power_iter(x[:, :, :3], 4, 3, 0)
+    with pytest.raises(RuntimeError, match="iters"):
+        kvq.lowrank_power_iter(x, 2, 0, 0)
+    with pytest.raises(RuntimeError, match="'k'"):
+        kvq.outlier_select(x, 33, False)
+    with pytest.raises(RuntimeError, match="'x'"):
+        kvq.outlier_select(x.long(), 1, False)
+    out = kvq.gear_compress(x, 2, 32, True, 0.05, 2)
+    with pytest.raises(RuntimeError, match="outlier_values"):
+        kvq.gear_decompress(out[0], out[1], out[2], out[3].float(), out[4], out[5], out[6], 2, True,
+                            torch.float16)
+    with pytest.raises(RuntimeError, match="'A'"):
+        kvq.gear_decompress(out[0], out[1], out[2], out[3], out[4], out[5][:, :, :-1], out[6], 2,
+                            True, torch.float16)
+    cache = kvq.KVCache("gear-2")
+    with pytest.raises(ValueError, match="NaN"):
+        cache.update(bad, bad, 0)
+
+
+def test_check_finite_off_is_local():
+    x = kv_like(1, 1, 64, 64)
+    bad = x.clone()
+    bad[0, 0, 3, 5] = float("inf")
+    out = kvq.gear_compress(bad, 2, 32, False, 0.0, 0, check_finite=False)
+    rec = kvq.gear_decompress(*out, 2, False, x.dtype)
+    ref = kvq.gear_decompress(*kvq.gear_compress(x, 2, 32, False, 0.0, 0), 2, False, x.dtype)
+    keep = torch.ones(64, dtype=torch.bool)
+    keep[3] = False
+    torch.testing.assert_close(rec[0, 0, keep], ref[0, 0, keep], rtol=0, atol=0)
+
+
+# ============================================================================ opcheck
+def test_opcheck():
+    x = kv_like(1, 2, 64, 64, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.kvq.outlier_select.default, (x, 2, True))
+    torch.library.opcheck(torch.ops.kvq.lowrank_power_iter.default, (x, 2, 2, 0))
+    torch.library.opcheck(torch.ops.kvq.gear_compress.default, (x, 2, 32, True, 0.05, 2, 2, 0, True))
+    out = kvq.gear_compress(x, 2, 32, True, 0.05, 2)
+    torch.library.opcheck(torch.ops.kvq.gear_decompress.default, (*out, 2, True, torch.float32))
+
+
+def test_torch_compile_smoke():
+    x = kv_like(1, 2, 64, 64, dtype=torch.float32)
+
+    def f(t):
+        return kvq.gear_decompress(*kvq.gear_compress(t, 2, 32, False, 0.05, 2), 2, False, t.dtype)
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(x), f(x))
+
+
+# ============================================================================ CUDA vs CPU
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("T,D", [(17, 64), (64, 128), (300, 128), (1025, 64), (5000, 128),
+                                 (40, 256)])
+def test_cuda_outlier_select(dtype, per_channel, T, D):
+    x = torch.randn(2, 3, T, D, generator=torch.Generator().manual_seed(T)).to(dtype)
+    L = T if per_channel else D
+    for k in {1, max(1, outlier_count(0.02, L)), L // 4}:
+        if k < 1:
+            continue
+        v0, i0 = kvq.outlier_select(x, k, per_channel)
+        v1, i1 = kvq.outlier_select(x.cuda(), k, per_channel)
+        torch.testing.assert_close(i1.cpu(), i0, rtol=0, atol=0)
+        torch.testing.assert_close(v1.cpu(), v0, rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_cuda_outlier_select_ties_and_long(per_channel):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 6, (1, 2, 3000, 64), generator=g).half()
+    v0, i0 = kvq.outlier_select(x, 9, per_channel)
+    v1, i1 = kvq.outlier_select(x.cuda(), 9, per_channel)
+    torch.testing.assert_close(i1.cpu(), i0, rtol=0, atol=0)
+    torch.testing.assert_close(v1.cpu(), v0, rtol=0, atol=0)
+    x = torch.randn(1, 1, 32768, 128, generator=g).half()  # long prefill: k = 328
+    v0, i0 = kvq.outlier_select(x, 328, True)
+    v1, i1 = kvq.outlier_select(x.cuda(), 328, True)
+    torch.testing.assert_close(i1.cpu(), i0, rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,d", [(20, 64), (64, 128), (300, 128), (4096, 128), (200, 256),
+                                 (1000, 256), (17, 32)])
+@pytest.mark.parametrize("rank", [1, 2, 4, 8])
+def test_cuda_power_iter(dtype, T, d, rank):
+    X = decaying((2, 3, T, d), seed=T + d + rank).to(dtype)
+    A0, B0 = kvq.lowrank_power_iter(X, rank, 3, 0)
+    A1, B1 = kvq.lowrank_power_iter(X.cuda(), rank, 3, 0)
+    A1, B1 = A1.cpu(), B1.cpu()
+    S = torch.linalg.svdvals(X.double())
+    opt = S[..., rank:].pow(2).sum(-1).sqrt()
+    tol = 0.05 if dtype != torch.float32 else 1e-3
+    for A, B in ((A0, B0), (A1, B1)):
+        err = (X.double() - A.double() @ B.double().mT).flatten(-2).norm(dim=-1)
+        assert (err <= opt * 1.03 + tol * S[..., 0]).all(), (err, opt)
+    torch.testing.assert_close(A1.double() @ A1.double().mT, A0.double() @ A0.double().mT,
+                               atol=0.02 if dtype != torch.float32 else 2e-3, rtol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("bits,G", [(2, 32), (4, -1), (2, 64)])
+@pytest.mark.parametrize("T,D", [(64, 128), (320, 64), (4096, 128), (20, 256)])
+def test_cuda_gear_matches_cpu(dtype, per_channel, bits, G, T, D):
+    if per_channel and G != -1 and T % G:
+        pytest.skip("T not a multiple of G")
+    x = kv_like(2, 2, T, D, seed=T + D, dtype=dtype)
+    out0 = kvq.gear_compress(x, bits, G, per_channel, 0.02, 4 if T >= 4 else T)
+    out1 = kvq.gear_compress(x.cuda(), bits, G, per_channel, 0.02, 4 if T >= 4 else T)
+    for name, a, b in zip(("codes", "scale", "zero", "values", "indices"), out0[:5], out1[:5]):
+        if name == "codes":
+            continue
+        torch.testing.assert_close(b.cpu(), a, rtol=0, atol=0, msg=name)
+    rec0 = kvq.gear_decompress(*out0, bits, per_channel, dtype)
+    rec1 = kvq.gear_decompress(*out1, bits, per_channel, dtype).cpu()
+    e0, e1 = rel_err(rec0, x), rel_err(rec1, x)
+    assert abs(e0 - e1) <= 0.03 * e0 + 1e-3, (e0, e1)
+    # decompress of the same stored data agrees between CPU and CUDA
+    rec_x = kvq.gear_decompress(*[t.cuda() for t in out0], bits, per_channel, dtype).cpu()
+    torch.testing.assert_close(rec_x, rec0, atol=2e-2 if dtype == torch.bfloat16 else 2e-3, rtol=1e-2)
+    vec = rec1.transpose(-1, -2) if per_channel else rec1
+    torch.testing.assert_close(torch.gather(vec, -1, out1[4].cpu().long()), out1[3].cpu(), rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["gear-2", "gear-4"])
+def test_cuda_stream_equals_blockwise(name):
+    cfg = kvq.get_config(name)
+    k = kv_like(2, 2, 200, 128, seed=1).cuda()
+    cache = kvq.KVCache(cfg)
+    cache.update(k[:, :, :130], k[:, :, :130], 0)
+    for t in range(130, 200):
+        cache.update(k[:, :, t:t + 1], k[:, :, t:t + 1], 0)
+    K, V = cache.dequantize(0)
+    for got, role in ((K, "key"), (V, "value")):
+        exp, _ = _blockwise_expected(k, cfg, role, 130)
+        torch.testing.assert_close(got, exp, rtol=0, atol=0)
+
+
+@needs_cuda
+def test_cuda_opcheck():
+    x = kv_like(1, 2, 64, 64, dtype=torch.float16).cuda()
+    torch.library.opcheck(torch.ops.kvq.outlier_select.default, (x, 2, True))
+    torch.library.opcheck(torch.ops.kvq.lowrank_power_iter.default, (x, 2, 2, 0))
+    torch.library.opcheck(torch.ops.kvq.gear_compress.default, (x, 2, 32, True, 0.05, 2, 2, 0, True))
+    out = kvq.gear_compress(x, 2, 32, True, 0.05, 2)
+    torch.library.opcheck(torch.ops.kvq.gear_decompress.default, (*out, 2, True, torch.float16))
