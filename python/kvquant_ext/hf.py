@@ -1,0 +1,461 @@
+"""Hugging Face ``transformers`` integration: a compressed KV ``Cache`` and the ``"kvq"``
+attention function that reads it.
+
+>>> import kvquant_ext as kvq, kvquant_ext.hf                       # registers "kvq"
+>>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvq")
+>>> out = model.generate(**inputs, past_key_values=kvq.hf.QuantizedCache("kivi-2"))
+
+(``kvq.hf.enable(model)`` switches an already loaded model to ``"kvq"`` attention;
+with transformers versions that renamed the argument, pass ``cache=`` instead of
+``past_key_values=`` — :func:`cache_kwarg` tells which one a model takes.)
+
+How a step runs
+---------------
+* **Prefill** (the first forward of a layer, any number of tokens): the layer's
+  ``update`` stores the fresh keys/values in the compressed cache (following the
+  method's streaming rule) and returns the *fresh full-precision* tensors, so prefill
+  attention is exact; it runs through ``F.scaled_dot_product_attention``.
+* **Decode** (one new token): ``update`` appends the token to the compressed cache and
+  returns a *handle* instead of tensors: zero-stride placeholder tensors of the right
+  shape ``[B, H, T, D]`` (no memory) carrying the attribute ``_kvq_handle``.  The
+  ``"kvq"`` attention function recognises the handle and calls
+  :func:`kvquant_ext.decode_attention` on the compressed layer with the model's scale
+  and the padding mask as a ``[B, T]`` bool — the cache is never dequantized whole.
+* **Several new tokens on a non-empty layer** (chunked prefill, assisted decoding):
+  the compressed past is dequantized once, the new tokens are appended, and attention
+  runs on ``cat(past, fresh)`` through SDPA (a rare path, not the per-token one).
+
+The attention function does not receive the cache object, hence the handle: it travels
+with the key tensor that ``Cache.update`` returns, which is exactly what the model
+passes on to the attention function, so there is no global state and several caches
+(threads, models) can be live at once.
+
+If the model does *not* use ``"kvq"`` attention, the cache notices (no handle came
+back to it after a prefill) and falls back to returning dequantized tensors on decode,
+with a one-time warning: results stay correct, only slower.
+
+Sliding-window layers (Gemma-2/3, Mistral with ``sliding_window``) are kept in full
+precision by transformers' own ``DynamicSlidingWindowLayer`` (they only hold the last
+``sliding_window - 1`` tokens, so compressing them buys little).  Which layers slide is
+taken from ``model_config`` when given, else learned from the model's attention module
+the first time the ``"kvq"`` attention function sees each layer.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+try:  # transformers >= 4.48
+    from transformers import AttentionInterface
+except ImportError:  # pragma: no cover
+    from transformers.modeling_utils import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .attention import decode_attention
+from .cache import KVCache, LayerCache
+from .config import CompressionConfig, get_config
+
+ATTN_NAME = "kvq"
+
+__all__ = ["ATTN_NAME", "QuantizedCache", "QuantizedLayer", "cache_kwarg", "enable",
+           "kvq_attention_forward", "register"]
+
+
+# ----------------------------------------------------------------------------- handle
+class _Handle:
+    """What ``update`` hands to the attention function (attached to the key tensor)."""
+
+    __slots__ = ("layer", "decode")
+
+    def __init__(self, layer: "QuantizedLayer", decode: bool):
+        self.layer, self.decode = layer, decode
+
+
+def _tag(key: torch.Tensor, value: torch.Tensor, handle: _Handle):
+    key._kvq_handle = handle  # plain Python attribute on the tensor object
+    return key, value
+
+
+# ----------------------------------------------------------------------------- layers
+class QuantizedLayer(CacheLayerMixin):
+    """One model layer of a :class:`QuantizedCache`.
+
+    ``kind`` is ``"compressed"`` (tokens live in the parent's :class:`~kvquant_ext.KVCache`
+    at the same layer index), ``"sliding"`` (a full-precision
+    ``DynamicSlidingWindowLayer`` in ``self.inner``) or ``None`` until known; an
+    undecided layer keeps its prefill tokens in ``self.pending`` until the attention
+    function (which sees the model's attention module) or the next ``update`` decides.
+    """
+
+    is_compileable = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, parent: "QuantizedCache", layer_idx: int, kind: Optional[str] = None,
+                 sliding_window: Optional[int] = None):
+        super().__init__()
+        self.parent, self.layer_idx = parent, layer_idx
+        self.kind: Optional[str] = None
+        self.inner: Optional[DynamicSlidingWindowLayer] = None
+        self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.attn_seen = False  # the "kvq" attention function consumed one of our handles
+        self._zero: Optional[torch.Tensor] = None
+        if kind is not None:
+            self.resolve(kind, sliding_window)
+
+    # -- type resolution -----------------------------------------------------------
+    @property
+    def is_sliding(self) -> bool:  # read by transformers' mask creation
+        return self.kind == "sliding"
+
+    def resolve(self, kind: str, sliding_window: Optional[int] = None) -> None:
+        if kind not in ("compressed", "sliding"):
+            raise ValueError(f"argument 'kind' must be 'compressed' or 'sliding', got {kind!r}")
+        if self.kind is not None:
+            return
+        if kind == "sliding":
+            if not sliding_window:
+                raise ValueError("argument 'sliding_window' must be a positive int for a sliding layer")
+            self.inner = DynamicSlidingWindowLayer(sliding_window=int(sliding_window))
+        self.kind = kind
+        if self.pending is not None:
+            k, v = self.pending
+            self.pending = None
+            self._store(k, v)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.kind == "sliding":
+            self.inner.update(k, v)
+        else:
+            self.parent.kv.update(k, v, self.layer_idx)
+
+    # -- CacheLayerMixin -----------------------------------------------------------
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+        self.device = key_states.device
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.kind is None:
+            if self.pending is None:
+                # First tokens of an undecided layer: keep them until the attention function
+                # tells us whether the layer slides; attend on them as given (exact prefill).
+                self.pending = (key_states, value_states)
+                return _tag(key_states, value_states, _Handle(self, decode=False))
+            self.resolve("compressed")  # no "kvq" attention ran: we cannot know better
+        if self.kind == "sliding":
+            k, v = self.inner.update(key_states, value_states)
+            return _tag(k, v, _Handle(self, decode=False))
+
+        kv, idx = self.parent.kv, self.layer_idx
+        past = kv.get_seq_length(idx)
+        t = key_states.shape[-2]
+        if past == 0:  # prefill: attention on the fresh full-precision tokens
+            kv.update(key_states, value_states, idx)
+            return _tag(key_states, value_states, _Handle(self, decode=False))
+        if t == 1 and self.attn_seen:  # decode: hand the compressed layer to decode_attention
+            kv.update(key_states, value_states, idx)
+            B, H, _, D = key_states.shape
+            if self._zero is None or self._zero.dtype != key_states.dtype or \
+                    self._zero.device != key_states.device:
+                self._zero = key_states.new_zeros(())
+            placeholder = self._zero.expand(B, H, past + 1, D)
+            return _tag(placeholder, self._zero.expand(B, H, past + 1, value_states.shape[-1]),
+                        _Handle(self, decode=True))
+        if t == 1:
+            self.parent._warn_fallback()
+        # several tokens on a non-empty layer (or no "kvq" attention): past in, fresh appended
+        k_past, v_past = kv.dequantize(idx)
+        kv.update(key_states, value_states, idx)
+        k = torch.cat([k_past, key_states], dim=-2)
+        v = torch.cat([v_past, value_states], dim=-2)
+        return _tag(k, v, _Handle(self, decode=False))
+
+    def get_seq_length(self, *args) -> int:
+        if self.kind == "sliding":
+            return self.inner.get_seq_length()
+        if self.pending is not None:
+            return self.pending[0].shape[-2]
+        return self.parent.kv.get_seq_length(self.layer_idx)
+
+    def get_mask_sizes(self, query, *args) -> Tuple[int, int]:
+        # transformers >= 5.2x passes query_length (int); earlier 5.x passed cache_position.
+        if self.kind == "sliding":
+            return self.inner.get_mask_sizes(query, *args)
+        q = query if isinstance(query, int) else int(query.shape[0])
+        return self.get_seq_length() + q, 0
+
+    def get_max_length(self) -> int:
+        return self.inner.get_max_length() if self.kind == "sliding" else -1
+
+    def get_max_cache_shape(self) -> int:  # older name
+        return self.get_max_length()
+
+    @property
+    def nbytes(self) -> int:
+        if self.kind == "sliding":
+            if not self.inner.is_initialized or self.inner.keys is None:
+                return 0
+            return sum(t.numel() * t.element_size() for t in (self.inner.keys, self.inner.values))
+        if self.pending is not None:
+            return sum(t.numel() * t.element_size() for t in self.pending)
+        kv = self.parent.kv
+        if self.layer_idx >= kv.num_layers:
+            return 0
+        l = kv.layers[self.layer_idx]
+        return l.key.nbytes + l.value.nbytes
+
+    def reset(self) -> None:
+        self.pending = None
+        if self.kind == "sliding":
+            self.inner.reset()
+        elif self.layer_idx < self.parent.kv.num_layers:
+            self.parent.kv.layers[self.layer_idx] = LayerCache(self.parent.config,
+                                                                self.parent.kv.check_finite)
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"kvq QuantizedCache does not support {what} (compressed "
+                                  "streams cannot be reordered or cut); use greedy/sampling "
+                                  "generation without beams or assistants")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length() > 0:
+            self._unsupported("batch_repeat_interleave on a filled cache")
+
+    def batch_select_indices(self, indices) -> None:
+        if self.get_seq_length() > 0:
+            self._unsupported("batch_select_indices on a filled cache")
+
+    def offload(self):  # pragma: no cover - offloading is not supported
+        pass
+
+    def prefetch(self):  # pragma: no cover
+        pass
+
+    def __repr__(self):
+        return f"QuantizedLayer(idx={self.layer_idx}, kind={self.kind}, tokens={self.get_seq_length()})"
+
+
+# ----------------------------------------------------------------------------- cache
+def _layer_kinds(model_config) -> List[Tuple[str, Optional[int]]]:
+    text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") \
+        else model_config
+    n = int(text.num_hidden_layers)
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if types is None:
+        types = ["sliding_attention" if window else "full_attention"] * n
+    kinds = []
+    for t in types:
+        if t in ("sliding_attention", "chunked_attention"):
+            w = window if t == "sliding_attention" else getattr(text, "attention_chunk_size", None)
+            kinds.append(("sliding", w))
+        else:
+            kinds.append(("compressed", None))
+    return kinds
+
+
+class QuantizedCache(Cache):
+    """A transformers ``Cache`` whose full-attention layers live in a compressed
+    :class:`kvquant_ext.KVCache`; decode attention reads them through
+    :func:`kvquant_ext.decode_attention` (use ``attn_implementation="kvq"``).
+
+    Parameters
+    ----------
+    config : a :class:`~kvquant_ext.config.CompressionConfig` or a preset name.
+    model_config : optional transformers config; when given, sliding-window layers are
+        known up front (otherwise they are learned at the first forward, see module doc).
+    check_finite : raise on NaN/Inf in cached tokens (default True).
+    """
+
+    def __init__(self, config="kivi-2", model_config=None, *, check_finite: bool = True):
+        if isinstance(config, str):
+            config = get_config(config)
+        if not isinstance(config, CompressionConfig):
+            raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
+                            f"got {type(config).__name__}")
+        self.config = config
+        self.kv = KVCache(config, check_finite=check_finite)
+        self._warned = False
+        super().__init__(layers=[])
+        if model_config is not None:
+            for i, (kind, window) in enumerate(_layer_kinds(model_config)):
+                self.layers.append(QuantizedLayer(self, i, kind, window))
+
+    def _layer(self, layer_idx: int) -> QuantizedLayer:
+        while len(self.layers) <= layer_idx:
+            self.layers.append(QuantizedLayer(self, len(self.layers)))
+        return self.layers[layer_idx]
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self._layer(layer_idx).update(key_states, value_states)
+
+    def _warn_fallback(self):
+        if not self._warned:
+            self._warned = True
+            warnings.warn("kvq QuantizedCache: the model does not use attn_implementation='kvq', so "
+                          "decode steps dequantize the whole cache (correct but slow); call "
+                          "kvquant_ext.hf.enable(model) or load with attn_implementation='kvq'",
+                          RuntimeWarning, stacklevel=3)
+
+    @property
+    def nbytes(self) -> int:
+        """Every stored byte: compressed layers (codes, scales, ..., residual) plus the
+        full-precision sliding-window layers."""
+        return sum(l.nbytes for l in self.layers)
+
+    @property
+    def kv_numel(self) -> int:
+        """Number of key + value elements the cache represents (for bits/element)."""
+        n = 0
+        for l in self.layers:
+            if l.kind == "sliding" and l.inner.keys is not None and l.inner.keys.numel():
+                n += l.inner.keys.numel() + l.inner.values.numel()
+            elif l.kind == "compressed" and l.layer_idx < self.kv.num_layers:
+                s = self.kv.layers[l.layer_idx].key
+                if s._shape is not None:
+                    B, H, D = s._shape
+                    n += 2 * B * H * s.seq_len * D
+            elif l.pending is not None:
+                n += l.pending[0].numel() + l.pending[1].numel()
+        return n
+
+    # -- state -----------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything needed to rebuild the cache: the compressed layers' state (see
+        :meth:`kvquant_ext.KVCache.state_dict`) plus each layer's kind and the
+        full-precision sliding/pending tensors."""
+        layers = []
+        for l in self.layers:
+            d: Dict[str, Any] = {"kind": l.kind, "attn_seen": l.attn_seen}
+            if l.kind == "sliding":
+                d.update(sliding_window=l.inner.sliding_window,
+                         cumulative_length=l.inner.cumulative_length,
+                         keys=None if l.inner.keys is None else l.inner.keys.clone(),
+                         values=None if l.inner.values is None else l.inner.values.clone())
+            if l.pending is not None:
+                d["pending"] = tuple(t.clone() for t in l.pending)
+            layers.append(d)
+        return {"format": 1, "config": self.config.to_dict(), "kv": self.kv.state_dict(),
+                "layers": layers}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("format") != 1:
+            raise ValueError(f"unknown QuantizedCache state format {state.get('format')!r}")
+        self.kv.load_state_dict(state["kv"])
+        self.layers = []
+        for i, d in enumerate(state["layers"]):
+            l = QuantizedLayer(self, i)
+            l.attn_seen = bool(d.get("attn_seen", False))
+            if d["kind"] == "sliding":
+                l.resolve("sliding", d["sliding_window"])
+                if d.get("keys") is not None:
+                    inner = l.inner
+                    inner.lazy_initialization(d["keys"], d["values"])
+                    inner.keys, inner.values = d["keys"].clone(), d["values"].clone()
+                    inner.cumulative_length = int(d["cumulative_length"])
+            elif d["kind"] == "compressed":
+                l.kind = "compressed"
+            if d.get("pending") is not None:
+                l.pending = tuple(t.clone() for t in d["pending"])
+            if d["kind"] is not None or d.get("pending") is not None:
+                l.is_initialized = True
+            self.layers.append(l)
+
+
+# ----------------------------------------------------------------------------- attention
+def _decode_mask(attention_mask: Optional[torch.Tensor], T: int) -> Optional[torch.Tensor]:
+    """The model's mask for one query token → ``[B, T]`` bool (True = attend)."""
+    if attention_mask is None:
+        return None
+    m = attention_mask
+    if m.dim() == 4:
+        m = m[:, 0, -1, :]
+    elif m.dim() == 3:
+        m = m[:, -1, :]
+    if m.dtype != torch.bool:  # additive float mask: 0 attends, a large negative does not
+        m = m > torch.finfo(m.dtype).min / 2
+    return m[:, :T]
+
+
+def kvq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                          dropout: float = 0.0, scaling: Optional[float] = None,
+                          is_causal: Optional[bool] = None, **kwargs):
+    """The ``"kvq"`` attention function (``AttentionInterface`` signature).
+
+    ``query`` ``[B, Hq, q, D]``; returns ``([B, q, Hq, D], None)``.  Decode steps whose key
+    carries a :class:`QuantizedCache` handle run :func:`kvquant_ext.decode_attention` on the
+    compressed layer; everything else (prefill, sliding layers, plain caches) runs SDPA.
+    """
+    handle = getattr(key, "_kvq_handle", None)
+    if handle is not None:
+        layer = handle.layer
+        layer.attn_seen = True
+        if layer.kind is None:
+            window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+            if window and getattr(module, "is_sliding", True):
+                layer.resolve("sliding", window)
+            else:
+                layer.resolve("compressed")
+        if handle.decode:
+            if kwargs.get("softcap") is not None:
+                raise NotImplementedError("kvq decode attention does not support logit softcapping")
+            T = key.shape[-2]
+            mask = _decode_mask(attention_mask, T)
+            out = decode_attention(query, layer.parent.kv, layer.layer_idx, scaling, attn_mask=mask)
+            return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``"kvq"`` with transformers' ``AttentionInterface`` (and its mask
+    interface, reusing the SDPA boolean masks).  Idempotent; done on import."""
+    global _registered
+    if _registered:
+        return
+    AttentionInterface.register(ATTN_NAME, kvq_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    except ImportError:  # pragma: no cover - very old transformers
+        pass
+    _registered = True
+
+
+def enable(model):
+    """Switch a loaded model to ``"kvq"`` attention (returns the model)."""
+    register()
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(ATTN_NAME)
+    else:  # pragma: no cover
+        model.config._attn_implementation = ATTN_NAME
+    return model
+
+
+def cache_kwarg(model) -> str:
+    """``"cache"`` on transformers versions whose forward takes ``cache=`` (the rename of
+    ``past_key_values``), else ``"past_key_values"``."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+register()

