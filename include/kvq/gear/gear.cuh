@@ -18,11 +18,11 @@ inline unsigned gear_grid(int64_t work, int threads) {
   return (unsigned)(blocks < 1 ? 1 : blocks);
 }
 
-/// \brief xc = clamp(x, lo_v, hi_v), plus the finite check of x.  One thread per 8
-/// consecutive elements of a row (D is a multiple of 8 on this path).
+/// \brief xc = clamp(x, lo_v, hi_v), plus the finite check of x.  One thread per 16 bytes
+/// of a row (VEC consecutive elements; D is a multiple of 8 on this path).
 template <typename DType>
 __global__ void GearClampKernel(GearParams p) {
-  constexpr int VEC = 8;
+  constexpr int VEC = 16 / sizeof(DType);
   const DType* x = static_cast<const DType*>(p.x);
   DType* xc = static_cast<DType*>(p.xc);
   const int64_t V = p.per_channel ? p.D : p.T;
@@ -145,7 +145,7 @@ __global__ void GearScatterOutliersKernel(GearParams p) {
 // ---------------------------------------------------------------------------
 template <typename DType>
 cudaError_t GearClamp(const GearParams& p, cudaStream_t stream) {
-  const int64_t total = p.N * p.T * p.D / 8;
+  const int64_t total = p.N * p.T * p.D / (16 / sizeof(DType));
   if (total == 0) return cudaSuccess;
   GearClampKernel<DType><<<gear_grid(total, 256), 256, 0, stream>>>(p);
   return cudaGetLastError();

@@ -186,6 +186,8 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
     if (warp < 2 && !(warp == 0 ? dT : dB)) {
       const int side = warp;
       const bool desc = side == 0;  // top: scan digits from 255 down
+      // NOTE: read before the shuffles below, which order it before the winner's write.
+      const int64_t need = s_need[side];
       int cnt[8];
       int s = 0;
 #pragma unroll
@@ -201,7 +203,6 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
         if (lane >= o) incl += y;
       }
       const int excl = incl - s;
-      const int64_t need = s_need[side];
       if (excl < need && need <= incl) {  // exactly one lane
         int acc = excl;
 #pragma unroll
