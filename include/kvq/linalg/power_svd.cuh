@@ -33,6 +33,12 @@ constexpr int kPowTile = 32;  // rows per P sub-tile
 constexpr int kBStride = 9;   // shared row stride of [d, r] bases and of P tiles
 constexpr unsigned kPowFullMask = 0xffffffffu;
 
+/// \brief N elements of T loaded/stored as one aligned vector.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) PowVec {
+  T v[N];
+};
+
 template <int DMAX>
 struct PowerDims {
   static constexpr int STRIDE = DMAX + 8;
@@ -49,6 +55,26 @@ template <typename DType, int DMAX>
 __device__ __forceinline__ void pow_load_rows(const DType* X, int64_t T, int d, int64_t t0,
                                               int rows_pad, float* Rs) {
   constexpr int STRIDE = PowerDims<DMAX>::STRIDE;
+  constexpr int VEC = 16 / (int)sizeof(DType);  // one 16-byte load per thread and step
+  if (d % VEC == 0) {
+    // NOTE: rows of X start 16-byte aligned here (d * sizeof(DType) % 16 == 0 and the base
+    // pointer comes from an aligned allocation).
+    const int vpr = d / VEC, total = rows_pad * vpr;
+    for (int idx = threadIdx.x; idx < total; idx += kPowThreads) {
+      const int row = idx / vpr, j = (idx - row * vpr) * VEC;
+      const int64_t t = t0 + row;
+      float* dst = Rs + row * STRIDE + j;
+      if (t < T) {
+        const PowVec<DType, VEC> v = *reinterpret_cast<const PowVec<DType, VEC>*>(X + t * d + j);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dst[e] = to_float(v.v[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dst[e] = 0.f;
+      }
+    }
+    return;
+  }
   const int total = rows_pad * d;
   for (int idx = threadIdx.x; idx < total; idx += kPowThreads) {
     const int row = idx / d, j = idx - row * d;
@@ -233,7 +259,17 @@ __device__ void pow_finalize(float* Ms, const double* Gd, double* Kd, float* Bs,
     Gtmp[a * RB + b] = s;
   }
   __syncthreads();
-  if (threadIdx.x == 0) sym_eig_desc(Gtmp, RB, RB, Kd, RB);
+  if (threadIdx.x == 0) {
+    // NOTE: float Jacobi (short latency chain); the eigenvectors only pick the rank-r
+    // subspace, A = Q U stays orthonormal to float precision either way.
+    float Sf[RB * RB], Uf[RB * RB];
+    double gmax = 0.0;
+    for (int i = 0; i < RB; ++i) gmax = Gtmp[i * RB + i] > gmax ? Gtmp[i * RB + i] : gmax;
+    const double sc = gmax > 0.0 ? 1.0 / gmax : 1.0;
+    for (int i = 0; i < RB * RB; ++i) Sf[i] = (float)(Gtmp[i] * sc);
+    sym_eig_desc<float>(Sf, RB, RB, Uf, RB);
+    for (int i = 0; i < RB * RB; ++i) Kd[i] = (double)Uf[i];
+  }
   __syncthreads();
   for (int j = threadIdx.x; j < d; j += kPowThreads) {
     float bo[RB], wo[RB];

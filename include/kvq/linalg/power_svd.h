@@ -79,75 +79,82 @@ KVQ_HOST_DEVICE float init_value(uint64_t seed, int64_t j, int c) {
   return (float)(z >> 40) * (1.0f / 8388608.0f) - 1.0f;  // 24 bits -> [0, 2) - 1
 }
 
-/// \brief Gram-Schmidt in Gram form.  G: [r, r] (leading dim ldg) = P^T P.  Writes the
-/// upper-triangular K ([r, r], leading dim ldk) such that the nonzero columns of P K are
-/// orthonormal; a column whose remaining norm^2 is <= 1e-6 of its own norm^2 (dependent)
-/// or <= tr_rel * trace(G) (negligible) gets a zero column of K.
+/// \brief Gram-Schmidt in Gram form, computed as a pivot-dropping Cholesky factorization.
+/// G: [r, r] (leading dim ldg) = P^T P.  Writes the upper-triangular K ([r, r], leading dim
+/// ldk) with P K = Q: the nonzero columns of Q are orthonormal, Q spans P's columns.  A column
+/// whose remaining norm^2 (its Cholesky pivot) is <= 1e-6 of its own norm^2 (dependent) or
+/// <= tr_rel * trace(G) (negligible) is dropped: zero column of K.  O(r^3 / 3) flops, so a
+/// single thread handles r = 8 quickly.
 KVQ_HOST_DEVICE void gram_orthonormalizer(const double* G, int ldg, int r, double* K, int ldk,
                                           double tr_rel) {
+  double L[kMaxRank * kMaxRank], inv[kMaxRank];
   double tr = 0.0;
   for (int c = 0; c < r; ++c) tr += G[c * ldg + c];
+  for (int c = 0; c < r; ++c) {
+    double s = G[c * ldg + c];
+    for (int a = 0; a < c; ++a) s -= L[c * kMaxRank + a] * L[c * kMaxRank + a];
+    const double own = G[c * ldg + c];
+    const bool dead = !(tr > 0.0) || !(s > 1e-6 * own) || !(s > tr_rel * tr);
+    const double lcc = dead ? 0.0 : sqrt(s);
+    inv[c] = dead ? 0.0 : 1.0 / lcc;
+    L[c * kMaxRank + c] = lcc;
+    for (int i = c + 1; i < r; ++i) {
+      double v = G[i * ldg + c];
+      for (int a = 0; a < c; ++a) v -= L[i * kMaxRank + a] * L[c * kMaxRank + a];
+      L[i * kMaxRank + c] = v * inv[c];
+    }
+  }
+  // K = (L^T)^+ : upper triangular, back substitution column by column (dead rows -> 0).
   for (int a = 0; a < r; ++a)
     for (int c = 0; c < r; ++c) K[a * ldk + c] = 0.0;
   for (int c = 0; c < r; ++c) {
-    K[c * ldk + c] = 1.0;
-    for (int q = 0; q < c; ++q) {
-      double proj = 0.0;  // q_q^T v_c = k_q^T G k_c
-      for (int a = 0; a <= q; ++a) {
-        const double kq = K[a * ldk + q];
-        if (kq == 0.0) continue;
-        double gk = 0.0;
-        for (int b = 0; b <= c; ++b) gk += G[a * ldg + b] * K[b * ldk + c];
-        proj += kq * gk;
-      }
-      for (int a = 0; a <= q; ++a) K[a * ldk + c] -= proj * K[a * ldk + q];
+    if (inv[c] == 0.0) continue;
+    K[c * ldk + c] = inv[c];
+    for (int i = c - 1; i >= 0; --i) {
+      if (inv[i] == 0.0) continue;
+      double v = 0.0;
+      for (int a = i + 1; a <= c; ++a) v += L[a * kMaxRank + i] * K[a * ldk + c];
+      K[i * ldk + c] = -v * inv[i];
     }
-    double nrm2 = 0.0;
-    for (int a = 0; a <= c; ++a) {
-      double gk = 0.0;
-      for (int b = 0; b <= c; ++b) gk += G[a * ldg + b] * K[b * ldk + c];
-      nrm2 += K[a * ldk + c] * gk;
-    }
-    const double own = G[c * ldg + c];
-    const bool dead = !(tr > 0.0) || !(nrm2 > 1e-6 * own) || !(nrm2 > tr_rel * tr);
-    const double s = dead ? 0.0 : 1.0 / sqrt(nrm2);
-    for (int a = 0; a <= c; ++a) K[a * ldk + c] *= s;
   }
 }
 
 /// \brief Eigen-decomposition of a symmetric [n, n] matrix S (leading dim lds; destroyed)
-/// by cyclic Jacobi rotations.  Writes the eigenvectors as the columns of U ([n, n], leading
-/// dim ldu) sorted by decreasing eigenvalue.
-KVQ_HOST_DEVICE void sym_eig_desc(double* S, int lds, int n, double* U, int ldu) {
-  double V[kMaxRank * kMaxRank];
+/// by cyclic Jacobi rotations (Real = float on the GPU, double on the CPU).  Writes the
+/// eigenvectors as the columns of U ([n, n], leading dim ldu) sorted by decreasing eigenvalue.
+template <typename Real>
+KVQ_HOST_DEVICE void sym_eig_desc(Real* S, int lds, int n, Real* U, int ldu) {
+  Real V[kMaxRank * kMaxRank];
   for (int a = 0; a < n; ++a)
     for (int b = 0; b < n; ++b) V[a * kMaxRank + b] = a == b ? 1.0 : 0.0;
-  for (int sweep = 0; sweep < 40; ++sweep) {
-    double off = 0.0, diag = 0.0;
+  const Real eps = sizeof(Real) == 8 ? Real(1e-30) : Real(1e-14);
+  for (int sweep = 0; sweep < 30; ++sweep) {
+    Real off = 0, diag = 0;
     for (int p = 0; p < n; ++p) {
       diag += S[p * lds + p] * S[p * lds + p];
       for (int q = p + 1; q < n; ++q) off += S[p * lds + q] * S[p * lds + q];
     }
-    if (!(off > 1e-30 * diag)) break;
+    if (!(off > eps * diag)) break;
     for (int p = 0; p < n - 1; ++p)
       for (int q = p + 1; q < n; ++q) {
-        const double apq = S[p * lds + q];
-        if (apq == 0.0) continue;
-        const double theta = (S[q * lds + q] - S[p * lds + p]) / (2.0 * apq);
-        const double t = (theta >= 0.0 ? 1.0 : -1.0) / (fabs(theta) + sqrt(theta * theta + 1.0));
-        const double c = 1.0 / sqrt(t * t + 1.0), s = t * c;
+        const Real apq = S[p * lds + q];
+        if (apq == Real(0)) continue;
+        const Real theta = (S[q * lds + q] - S[p * lds + p]) / (Real(2) * apq);
+        const Real t = (theta >= Real(0) ? Real(1) : Real(-1)) /
+                       (fabs(theta) + sqrt(theta * theta + Real(1)));
+        const Real c = Real(1) / sqrt(t * t + Real(1)), s = t * c;
         for (int k = 0; k < n; ++k) {  // columns p, q
-          const double kp = S[k * lds + p], kq = S[k * lds + q];
+          const Real kp = S[k * lds + p], kq = S[k * lds + q];
           S[k * lds + p] = c * kp - s * kq;
           S[k * lds + q] = s * kp + c * kq;
         }
         for (int k = 0; k < n; ++k) {  // rows p, q
-          const double pk = S[p * lds + k], qk = S[q * lds + k];
+          const Real pk = S[p * lds + k], qk = S[q * lds + k];
           S[p * lds + k] = c * pk - s * qk;
           S[q * lds + k] = s * pk + c * qk;
         }
         for (int k = 0; k < n; ++k) {
-          const double kp = V[k * kMaxRank + p], kq = V[k * kMaxRank + q];
+          const Real kp = V[k * kMaxRank + p], kq = V[k * kMaxRank + q];
           V[k * kMaxRank + p] = c * kp - s * kq;
           V[k * kMaxRank + q] = s * kp + c * kq;
         }
