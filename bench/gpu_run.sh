@@ -18,9 +18,10 @@ if [ -n "$K" ]; then python3 -m pytest -q -x tests -k "$K" -p no:cacheprovider 2
 else python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25; fi
 for b in "$@"; do
   ts "bench $b"
+  # shellcheck disable=SC2086
   case "$b" in
-    *.py) python3 "bench/$b" 2>&1 | tee -a "$OUT/bench.log" ;;
-    *) "./build/kern/bench/$b" 2>&1 | tee -a "$OUT/bench.log" ;;
+    *.py*) python3 bench/$b 2>&1 | tee -a "$OUT/bench.log" ;;
+    *) ./build/kern/bench/$b 2>&1 | tee -a "$OUT/bench.log" ;;
   esac
 done
 ts "done"

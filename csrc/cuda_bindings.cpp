@@ -126,6 +126,26 @@ at::Tensor gear_decompress_cuda(const at::Tensor& codes, const at::Tensor& scale
 }
 // ---- end GEAR ----
 
+
+at::Tensor decode_attention_gq_cuda(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                    const at::Tensor& k_zero, const at::Tensor& k_residual,
+                                    const at::Tensor& v_codes, const at::Tensor& v_scale,
+                                    const at::Tensor& v_zero, const at::Tensor& v_residual,
+                                    const std::optional<at::Tensor>& mask, int64_t k_bits, bool k_per_channel,
+                                    int64_t v_bits, bool v_per_channel, double scale) {
+  c10::cuda::CUDAGuard guard(q.device());
+  DecodeAttentionCall c = prepare_decode_attention(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale,
+                                                   v_zero, v_residual, mask, k_bits, k_per_channel, v_bits,
+                                                   v_per_channel, scale);
+  auto& p = c.params;
+  p.splits = attention::decode_attention_splits(p);
+  c.ws = at::empty({p.B * p.Hq * p.splits * (p.D + 2)}, c.q.options().dtype(at::kFloat));
+  p.ws = c.ws.data_ptr<float>();
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL("decode_attention_gq", attention::decode_attention_cuda(p, dtype_id(c.q.scalar_type()), stream));
+  return c.out;
+}
+
 }  // namespace kvq
 
 TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
@@ -142,5 +162,6 @@ TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
   m.impl("hqmq_decode", &kvq::hqmq_decode_cuda);
   // ---- end HQMQ CUDA impls ----
   // ---- decode attention CUDA impls ----
+  m.impl("decode_attention_gq", &kvq::decode_attention_gq_cuda);
   // ---- end decode attention CUDA impls ----
 }

@@ -85,6 +85,8 @@ DecodeAttentionCall prepare_decode_attention(const at::Tensor& q_in, const at::T
   const int64_t H = k_codes.size(1);
   KVQ_CHECK_ARG(H > 0 && Hq % H == 0, kOp, "q", "has ", Hq, " heads, which is not a multiple of the cache's ", H,
                 " KV heads");
+  KVQ_CHECK_ARG(Hq / H <= 16, kOp, "q", "has ", Hq / H, " query heads per KV head; at most 16 are supported "
+                "per call (split the query heads)");
   auto& p = c.params;
   p.k = make_role("k", c.q, k_codes, k_scale, k_zero, k_residual, k_bits, k_per_channel, B, H, D);
   p.v = make_role("v", c.q, v_codes, v_scale, v_zero, v_residual, v_bits, v_per_channel, B, H, D);

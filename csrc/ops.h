@@ -6,6 +6,7 @@
 
 #include "kvq/gear/gear.h"
 #include "kvq/linalg/power_svd.h"
+#include "kvq/attention/decode_attention.h"
 #include "kvq/quant/group_quant.h"
 #include "kvq/select/outlier_topk.h"
 #include "kvq/vq/quaternion_vq.h"
@@ -137,5 +138,23 @@ KVQ_GEAR_DECLS(cuda)
 #endif
 #undef KVQ_GEAR_DECLS
 // ----- end GEAR -----
+
+
+// ----- decode attention over group-quantized caches (csrc/decode_attention.cpp) -----
+struct DecodeAttentionCall {
+  at::Tensor q, out, mask, ws;
+  attention::DecodeAttnParams params;
+};
+#define KVQ_DECODE_ATTN_GQ_ARGS                                                              \
+  const at::Tensor &q, const at::Tensor &k_codes, const at::Tensor &k_scale,                 \
+      const at::Tensor &k_zero, const at::Tensor &k_residual, const at::Tensor &v_codes,     \
+      const at::Tensor &v_scale, const at::Tensor &v_zero, const at::Tensor &v_residual,     \
+      const std::optional<at::Tensor>&mask, int64_t k_bits, bool k_per_channel, int64_t v_bits, \
+      bool v_per_channel, double scale
+DecodeAttentionCall prepare_decode_attention(KVQ_DECODE_ATTN_GQ_ARGS);
+at::Tensor decode_attention_gq_cpu(KVQ_DECODE_ATTN_GQ_ARGS);
+#ifdef KVQ_WITH_CUDA
+at::Tensor decode_attention_gq_cuda(KVQ_DECODE_ATTN_GQ_ARGS);
+#endif
 
 }  // namespace kvq

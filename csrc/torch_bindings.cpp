@@ -45,6 +45,11 @@ TORCH_LIBRARY(kvq, m) {
         " int radius_bits, int head_dim, ScalarType dtype) -> Tensor");
   // ---- end HQMQ ops ----
   // ---- decode attention ops ----
+  // q [B, Hq, D]; per role: codes int32 [B, H, Tq, D*bits/32], scale/zero fp16 (group layout of
+  // kvq.quantize), residual [B, H, Tr, D] in q's dtype; mask [B, T] (nonzero = attend).
+  m.def("decode_attention_gq(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor k_residual,"
+        " Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor v_residual, Tensor? mask, int k_bits,"
+        " bool k_per_channel, int v_bits, bool v_per_channel, float scale) -> Tensor");
   // ---- end decode attention ops ----
 }
 
@@ -62,5 +67,6 @@ TORCH_LIBRARY_IMPL(kvq, CPU, m) {
   m.impl("hqmq_decode", &kvq::hqmq_decode_cpu);
   // ---- end HQMQ CPU impls ----
   // ---- decode attention CPU impls ----
+  m.impl("decode_attention_gq", &kvq::decode_attention_gq_cpu);
   // ---- end decode attention CPU impls ----
 }

@@ -89,7 +89,7 @@ def _stream_check(stream, appended, R, spec):
     assert stream.quantized_len == nq
     if nq:
         G = spec.group_size if spec.group_size > 0 else R
-        ref_scales = torch.cat([quantize_ref(b, spec.bits, G if spec.per_channel else spec.group_size,
+        ref_scales = torch.cat([quantize_ref(b.cpu(), spec.bits, G if spec.per_channel else spec.group_size,
                                              spec.per_channel)[1] for b in blocks], dim=2)
         assert torch.equal(stream.scale.view().cpu(), ref_scales.cpu())
     deq = stream.dequantize()

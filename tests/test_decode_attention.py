@@ -43,7 +43,7 @@ def test_presets_and_lengths(device, preset, T, steps):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("D", [64, 128, 256])
-@pytest.mark.parametrize("ratio", [1, 4, 7])
+@pytest.mark.parametrize("ratio", [1, 4, 7, 20])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_head_dims_gqa_dtypes(device, D, ratio, dtype):
     H = 2

@@ -124,6 +124,8 @@ def _hqmq_encode_fake(x, secondary, radius_bits, outlier_threshold=None, check_f
 def _hqmq_decode_fake(codes, scale, secondary, outliers, radius_bits, head_dim, dtype):
     *lead, T, _ = codes.shape
     return codes.new_empty((*lead, T, head_dim), dtype=dtype)
+
+
 # ----------------------------------------------------------------------------- GEAR
 __all__ += ["outlier_count", "outlier_index_dtype", "outlier_select", "lowrank_power_iter",
             "gear_compress", "gear_decompress"]
@@ -225,3 +227,28 @@ def _gear_decompress_fake(codes, scale, zero, outlier_values, outlier_indices, A
                           per_channel, dtype):
     *lead, T, W = codes.shape
     return codes.new_empty((*lead, T, W * 32 // bits), dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- decode attention
+__all__ += ["decode_attention_gq"]
+
+
+def decode_attention_gq(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero,
+                        v_residual, mask, k_bits: int, k_per_channel: bool, v_bits: int,
+                        v_per_channel: bool, scale: float) -> torch.Tensor:
+    """Decode attention over a group-quantized cache layer (fused kernels on CUDA).
+
+    ``q`` ``[B, Hq, D]``; per role: ``codes`` int32 ``[B, H, Tq, D*bits/32]``, ``scale``/``zero``
+    fp16 in :func:`quantize`'s layout (may be views with batch/head strides), ``residual``
+    ``[B, H, Tr, D]`` in q's dtype (token t reads the store when t < Tq, else the residual);
+    ``mask`` ``[B, T]`` (nonzero = attend) or None.  Returns ``[B, Hq, D]`` in q's dtype.
+    """
+    return torch.ops.kvq.decode_attention_gq.default(
+        q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero, v_residual, mask,
+        k_bits, k_per_channel, v_bits, v_per_channel, scale)
+
+
+@torch.library.register_fake("kvq::decode_attention_gq")
+def _decode_attention_gq_fake(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero,
+                              v_residual, mask, k_bits, k_per_channel, v_bits, v_per_channel, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -16,6 +16,7 @@ from . import _ops
 from .streams import FullPrecisionStream, _QuantStream
 
 _warned = set()
+_MAX_GROUP = 16  # query heads per KV head in one kernel call
 
 
 def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[float] = None, *,
@@ -62,11 +63,21 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
     qc = q4.reshape(B, Hq, D).to(kst.dtype)
 
     if isinstance(kst, _QuantStream) and isinstance(vst, _QuantStream):
-        kc, ks, kz, kr = kst.attention_operands()
-        vc, vs, vz, vr = vst.attention_operands()
-        out = _ops.decode_attention_gq(qc, kc, ks, kz, kr, vc, vs, vz, vr, attn_mask,
-                                       kst.spec.bits, kst.spec.per_channel, vst.spec.bits,
-                                       vst.spec.per_channel, float(scale))
+        operands = (*kst.attention_operands(), *vst.attention_operands())
+        g = Hq // H
+
+        def run(qh):
+            return _ops.decode_attention_gq(qh, *operands, attn_mask, kst.spec.bits,
+                                            kst.spec.per_channel, vst.spec.bits,
+                                            vst.spec.per_channel, float(scale))
+
+        if g <= _MAX_GROUP:
+            out = run(qc)
+        else:  # the kernels take up to 16 query heads per KV head: split the group
+            qg = qc.reshape(B, H, g, D)
+            parts = [run(qg[:, :, j:j + _MAX_GROUP].reshape(B, -1, D)).reshape(B, H, -1, D)
+                     for j in range(0, g, _MAX_GROUP)]
+            out = torch.cat(parts, dim=2).reshape(B, Hq, D)
     elif isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
         K, V = kst.dequantize(), vst.dequantize()
         mask = None if attn_mask is None else attn_mask[:, None, None, :]

@@ -168,6 +168,23 @@ class _QuantStream(Stream):
             raise ValueError("argument 'x' contains NaN or Inf (cache check_finite=True)")
         return x if self.residual is None else torch.cat([self.residual, x], dim=2)
 
+    def attention_operands(self):
+        """(codes, scale, zero, residual) views for the fused decode-attention op; empty
+        tensors (0 tokens) where nothing is stored yet."""
+        B, H, D = self._shape
+        spec = self.spec
+        dev = self.device
+        codes = self.codes.view()
+        if codes is None:
+            codes = torch.empty((B, H, 0, D * spec.bits // 32), dtype=torch.int32, device=dev)
+            ng = D if spec.per_channel else D // (D if spec.group_size == -1 else spec.group_size)
+            scale = torch.empty((B, H, 0, ng), dtype=torch.float16, device=dev)
+            zero = scale
+        else:
+            scale, zero = self.scale.view(), self.zero.view()
+        residual = self.residual if self.residual is not None else self._empty()
+        return codes, scale, zero, residual
+
     def load_state_dict(self, state):
         self._shape = None
         self._check(state["residual"], "state['residual']")

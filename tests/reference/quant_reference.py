@@ -34,7 +34,8 @@ def quantize_ref(x: torch.Tensor, bits: int, group_size: int, per_channel: bool)
     mn, mx = g.amin(dim=dim, keepdim=True), g.amax(dim=dim, keepdim=True)
     maxq = (1 << bits) - 1
     z = fp16_round_down(mn)
-    s = fp16_round_up(torch.clamp((mx - z.float()) / maxq, min=0.0))
+    inv_maxq = torch.tensor(1.0 / maxq, dtype=torch.float32)  # fp32 constant, as the kernels
+    s = fp16_round_up(torch.clamp((mx - z.float()) * inv_maxq.to(mx.device), min=0.0))
     inv = torch.where(s.float() > 0, 1.0 / s.float(), torch.zeros_like(s.float()))
     q = torch.clamp((g - z.float()) * inv, 0, maxq).round().to(torch.int64)
     codes = q.reshape(x.shape)

@@ -330,14 +330,14 @@ __device__ __forceinline__ void load_token(const QuantKV& s, int64_t b, int64_t 
   }
 }
 
-template <typename DType, int D>
+template <typename DType, int D, int MAXG>
 __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
                              int64_t t_end, int warp, float* slot, const float* s_q) {
   constexpr int EPL = D / 32;
   const int lane = threadIdx.x % 32;
-  float m[kMaxGroup], l[kMaxGroup], acc[kMaxGroup][EPL];
+  float m[MAXG], l[MAXG], acc[MAXG][EPL];
 #pragma unroll
-  for (int j = 0; j < kMaxGroup; ++j) {
+  for (int j = 0; j < MAXG; ++j) {
     m[j] = -INFINITY, l[j] = 0.f;
 #pragma unroll
     for (int e = 0; e < EPL; ++e) acc[j][e] = 0.f;
@@ -349,7 +349,7 @@ __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, in
     load_token<DType, D>(p.k, b, h, t, lane, kx);
     load_token<DType, D>(p.v, b, h, t, lane, vx);
 #pragma unroll
-    for (int j = 0; j < kMaxGroup; ++j) {
+    for (int j = 0; j < MAXG; ++j) {
       if (j >= g) break;
       float s = 0.f;
 #pragma unroll
@@ -366,7 +366,7 @@ __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, in
     }
   }
 #pragma unroll
-  for (int j = 0; j < kMaxGroup; ++j) {
+  for (int j = 0; j < MAXG; ++j) {
     if (j >= g) break;
     float* row = slot + j * (D + 2);
 #pragma unroll
@@ -414,7 +414,8 @@ __global__ void __launch_bounds__(kWarps * 32)
     const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
     for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(q[x]);
     __syncthreads();
-    warp_generic<DType, D>(p, b, h, g, t_begin, t_end, warp, slot, s_q);
+    // the mma path only takes g <= 8, so its kernels need 8 generic head slots
+    warp_generic<DType, D, MMA ? 8 : kMaxGroup>(p, b, h, g, t_begin, t_end, warp, slot, s_q);
   }
   __syncthreads();
   // ---- merge the warps and write the split partial ----

@@ -157,20 +157,45 @@ __global__ void __launch_bounds__(WARPS * 32)
   const DType* x = static_cast<const DType*>(p.x) + (n * p.T + g * p.group) * D;
   int32_t status = 0;
 
+  // Rows of this warp stay in registers between the two passes when the group is small
+  // enough (KIVI group sizes); longer groups (KCVT over a whole prefill) re-read the tile.
+  constexpr int MAXR = (64 / EPL) < 16 ? (64 / EPL) : 16;
+  const bool cached = p.group <= (int64_t)WARPS * MAXR;
+  float rows[MAXR][EPL];
   float mn[EPL], mx[EPL];
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     mn[i] = INFINITY;
     mx[i] = -INFINITY;
   }
-  for (int64_t t = warp; t < p.group; t += WARPS) {
-    float v[EPL];
-    load_row_slice<DType, EPL>(x + t * D, lane, v);
+  if (cached) {
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (p.status) status |= value_status(v[i]);
-      mn[i] = fminf(mn[i], v[i]);
-      mx[i] = fmaxf(mx[i], v[i]);
+    for (int j = 0; j < MAXR; ++j) {
+      const int64_t t = warp + (int64_t)j * WARPS;
+      if (t < p.group) load_row_slice<DType, EPL>(x + t * D, lane, rows[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < MAXR; ++j) {
+      const int64_t t = warp + (int64_t)j * WARPS;
+      if (t < p.group) {
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) {
+          if (p.status) status |= value_status(rows[j][i]);
+          mn[i] = fminf(mn[i], rows[j][i]);
+          mx[i] = fmaxf(mx[i], rows[j][i]);
+        }
+      }
+    }
+  } else {
+    for (int64_t t = warp; t < p.group; t += WARPS) {
+      float v[EPL];
+      load_row_slice<DType, EPL>(x + t * D, lane, v);
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) {
+        if (p.status) status |= value_status(v[i]);
+        mn[i] = fminf(mn[i], v[i]);
+        mx[i] = fmaxf(mx[i], v[i]);
+      }
     }
   }
 #pragma unroll
@@ -193,15 +218,30 @@ __global__ void __launch_bounds__(WARPS * 32)
     s_inv[c] = q.inv;
   }
   __syncthreads();
-  int32_t* codes = p.codes + (n * p.T + g * p.group) * (D * BITS / 32);
-  for (int64_t t = warp; t < p.group; t += WARPS) {
-    float v[EPL];
-    load_row_slice<DType, EPL>(x + t * D, lane, v);
-    uint32_t code[EPL];
+  float z[EPL], inv[EPL];
 #pragma unroll
-    for (int i = 0; i < EPL; ++i)
-      code[i] = quant_code(v[i], s_zero[lane * EPL + i], s_inv[lane * EPL + i], MAXQ);
-    pack_and_store<EPL, BITS>(code, lane, codes + t * (D * BITS / 32));
+  for (int i = 0; i < EPL; ++i) z[i] = s_zero[lane * EPL + i], inv[i] = s_inv[lane * EPL + i];
+  int32_t* codes = p.codes + (n * p.T + g * p.group) * (D * BITS / 32);
+  if (cached) {
+#pragma unroll
+    for (int j = 0; j < MAXR; ++j) {
+      const int64_t t = warp + (int64_t)j * WARPS;
+      if (t < p.group) {
+        uint32_t code[EPL];
+#pragma unroll
+        for (int i = 0; i < EPL; ++i) code[i] = quant_code(rows[j][i], z[i], inv[i], MAXQ);
+        pack_and_store<EPL, BITS>(code, lane, codes + t * (D * BITS / 32));
+      }
+    }
+  } else {
+    for (int64_t t = warp; t < p.group; t += WARPS) {
+      float v[EPL];
+      load_row_slice<DType, EPL>(x + t * D, lane, v);
+      uint32_t code[EPL];
+#pragma unroll
+      for (int i = 0; i < EPL; ++i) code[i] = quant_code(v[i], z[i], inv[i], MAXQ);
+      pack_and_store<EPL, BITS>(code, lane, codes + t * (D * BITS / 32));
+    }
   }
   report_status(p.status, status);
 }
