@@ -9,7 +9,8 @@
 //    vector is contiguous), then one 256-thread block per vector runs an MSB-first 8-bit
 //    radix select on the 64-bit composite key (value, -index) for the top and the bottom
 //    side in the same passes (usually 2-4 passes; it stops as soon as the k-th entry is
-//    alone in its bucket), then one ordered compaction pass (block scan) writes the
+//    alone in its bucket; lanes with equal digits share one shared-memory atomic), then
+//    one ordered compaction pass (per-thread contiguous chunks + one block scan) writes the
 //    selected entries in index order.  No sort, no bound on k.
 #pragma once
 #include <cuda_runtime.h>
@@ -161,7 +162,6 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
   __shared__ int s_shift[2];
   __shared__ int64_t s_need[2];
   __shared__ int s_done[2];
-  __shared__ unsigned s_wtot[THREADS / 32];
   if (tid < 2) {
     s_prefix[tid] = 0;
     s_shift[tid] = 64;
@@ -177,10 +177,25 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
     hist[0][tid] = 0;
     hist[1][tid] = 0;
     __syncthreads();
-    for (int64_t j = tid; j < L; j += THREADS) {
-      const uint64_t ck = composite_key(keys[j], (uint32_t)j);
-      if (!dT && (shT == 64 || (ck >> shT) == pT)) atomicAdd(&hist[0][(ck >> (shT - 8)) & 255u], 1);
-      if (!dB && (shB == 64 || (ck >> shB) == pB)) atomicAdd(&hist[1][(ck >> (shB - 8)) & 255u], 1);
+    // NOTE: the upper digits of float keys take few distinct values, so lanes with the same
+    // digit are aggregated (__match_any_sync) into one shared atomic by a leader lane.
+    for (int64_t j0 = 0; j0 < L; j0 += THREADS) {  // uniform trip count: whole warps
+      const int64_t j = j0 + tid;
+      uint64_t ck = 0;
+      if (j < L) ck = composite_key(keys[j], (uint32_t)j);
+      const bool inT = j < L && !dT && (shT == 64 || (ck >> shT) == pT);
+      const bool inB = j < L && !dB && (shB == 64 || (ck >> shB) == pB);
+      const unsigned mT = __ballot_sync(kSelFullMask, inT), mB = __ballot_sync(kSelFullMask, inB);
+      if (inT) {
+        const unsigned dg = (unsigned)(ck >> (shT - 8)) & 255u;
+        const unsigned peers = __match_any_sync(mT, dg);
+        if (lane == __ffs(peers) - 1) atomicAdd(&hist[0][dg], __popc(peers));
+      }
+      if (inB) {
+        const unsigned dg = (unsigned)(ck >> (shB - 8)) & 255u;
+        const unsigned peers = __match_any_sync(mB, dg);
+        if (lane == __ffs(peers) - 1) atomicAdd(&hist[1][dg], __popc(peers));
+      }
     }
     __syncthreads();
     if (warp < 2 && !(warp == 0 ? dT : dB)) {
@@ -224,65 +239,64 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
     __syncthreads();
   }
   // The kt-th entry E of each side is now alone with its prefix: (key >> shift) == prefix.
+  // Ordered compaction: thread t owns the contiguous entries [t*C, (t+1)*C), counts its
+  // selected entries, one block-wide exclusive scan gives its output offsets, and a second
+  // walk over the (L1-resident) chunk writes them, so both halves come out in index order.
   const uint64_t PT = s_prefix[0], PB = s_prefix[1];
   const int ST = s_shift[0], SB = s_shift[1];
   const bool inl = kt == k + 1;
   DType* values = static_cast<DType*>(p.values);
   IdType* indices = static_cast<IdType*>(p.indices);
   const int64_t base = vv * 2 * k;
-  int64_t run_t = 0, run_b = 0;
   if (p.bounds && !inl && tid == 0) {
     p.bounds[vv * 2] = 0.f;
     p.bounds[vv * 2 + 1] = 0.f;
   }
-  for (int64_t j0 = 0; j0 < L; j0 += THREADS) {
-    const int64_t j = j0 + tid;
-    bool ft = false, fb = false;
-    uint32_t kv = 0;
-    if (j < L) {
-      kv = keys[j];
+  const int64_t C = (L + THREADS - 1) / THREADS;
+  const int64_t jb = tid * C, je = jb + C < L ? jb + C : L;
+  uint64_t cnt = 0;  // top count | bottom count << 32
+  for (int64_t j = jb; j < je; ++j) {
+    const uint32_t kv = keys[j];
+    const uint64_t ck = composite_key(kv, (uint32_t)j);
+    const uint64_t a = ck >> ST, b = ck >> SB;
+    cnt += (inl ? a > PT : a >= PT) ? 1ull : 0ull;
+    cnt += (inl ? b < PB : b <= PB) ? (1ull << 32) : 0ull;
+    if (inl && p.bounds) {
+      if (a == PT) p.bounds[vv * 2 + 1] = key_to_float(kv);
+      if (b == PB) p.bounds[vv * 2] = key_to_float(kv);
+    }
+  }
+  uint64_t incl = cnt;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const uint64_t y = __shfl_up_sync(kSelFullMask, incl, o);
+    if (lane >= o) incl += y;
+  }
+  __shared__ unsigned long long s_wtot[THREADS / 32];
+  if (lane == 31) s_wtot[warp] = incl;
+  __syncthreads();
+  uint64_t woff = 0;
+#pragma unroll
+  for (int w = 0; w < THREADS / 32; ++w) woff += (w < warp) ? s_wtot[w] : 0ull;
+  const uint64_t excl = woff + incl - cnt;
+  int64_t pt = base + (int64_t)(excl & 0xffffffffull);
+  int64_t pb = base + k + (int64_t)(excl >> 32);
+  if (cnt != 0) {
+    for (int64_t j = jb; j < je; ++j) {
+      const uint32_t kv = keys[j];
       const uint64_t ck = composite_key(kv, (uint32_t)j);
       const uint64_t a = ck >> ST, b = ck >> SB;
-      ft = inl ? a > PT : a >= PT;
-      fb = inl ? b < PB : b <= PB;
-      if (inl && p.bounds) {
-        if (a == PT) p.bounds[vv * 2 + 1] = key_to_float(kv);
-        if (b == PB) p.bounds[vv * 2] = key_to_float(kv);
-      }
-    }
-    const unsigned packed = (ft ? 1u : 0u) | (fb ? (1u << 16) : 0u);
-    unsigned incl = packed;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const unsigned y = __shfl_up_sync(kSelFullMask, incl, o);
-      if (lane >= o) incl += y;
-    }
-    if (lane == 31) s_wtot[warp] = incl;
-    __syncthreads();
-    unsigned woff = 0, total = 0;
-#pragma unroll
-    for (int w = 0; w < THREADS / 32; ++w) {
-      const unsigned t = s_wtot[w];
-      woff += (w < warp) ? t : 0u;
-      total += t;
-    }
-    const unsigned excl = woff + incl - packed;
-    if (ft || fb) {
-      const DType val = from_float<DType>(key_to_float(kv));
+      const bool ft = inl ? a > PT : a >= PT;
+      const bool fb = inl ? b < PB : b <= PB;
       if (ft) {
-        const int64_t pos = base + run_t + (excl & 0xffffu);
-        values[pos] = val;
-        indices[pos] = (IdType)j;
+        values[pt] = from_float<DType>(key_to_float(kv));
+        indices[pt++] = (IdType)j;
       }
       if (fb) {
-        const int64_t pos = base + k + run_b + (excl >> 16);
-        values[pos] = val;
-        indices[pos] = (IdType)j;
+        values[pb] = from_float<DType>(key_to_float(kv));
+        indices[pb++] = (IdType)j;
       }
     }
-    run_t += total & 0xffffu;
-    run_b += total >> 16;
-    __syncthreads();  // s_wtot is rewritten by the next chunk
   }
 }
 
