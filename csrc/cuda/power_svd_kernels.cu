@@ -1,6 +1,6 @@
 // Instantiations of the batched power-iteration kernels (torch-free; nvcc, C++17).
-// Dispatch: dtype -> d bucket (DMAX 64 / 128 / 256) -> internal width (RB 2 / 4 / 8,
-// power_width(rank)).
+// Dispatch: dtype -> d bucket (DMAX 64 / 128 / 256) -> internal width (RB,
+// power_width(rank): 2 / 4 / 6 / 8).
 #include "kvq/cuda_api.h"
 #include "kvq/linalg/power_svd.cuh"
 
@@ -20,6 +20,7 @@ namespace linalg {
     switch (power_width(r)) {                                                    \
       case 2: { constexpr int RB = 2; return __VA_ARGS__(); }                    \
       case 4: { constexpr int RB = 4; return __VA_ARGS__(); }                    \
+      case 6: { constexpr int RB = 6; return __VA_ARGS__(); }                    \
       case 8: { constexpr int RB = 8; return __VA_ARGS__(); }                    \
       default: KVQ_THROW("kvq: rank must be 1..8, got " << (r));                 \
     }                                                                            \

@@ -63,9 +63,8 @@ def init_basis(seed: int, d: int, r: int) -> torch.Tensor:
 
 
 def power_width(rank: int) -> int:
-    """Internal (oversampled) subspace width of the library: min(8, 2r) rounded up to 2/4/8."""
-    w = min(8, 2 * rank)
-    return 2 if w <= 2 else (4 if w <= 4 else 8)
+    """Internal (oversampled) subspace width of the library (power_svd.h power_width)."""
+    return 2 if rank <= 1 else (4 if rank <= 2 else (6 if rank <= 4 else 8))
 
 
 def power_iter_ref(x: torch.Tensor, rank: int, iters: int, seed: int):

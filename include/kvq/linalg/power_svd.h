@@ -46,14 +46,14 @@ struct PowerIterParams {
   uint64_t seed = 0;
 };
 
-/// \brief Compile-time rank bucket used by the CUDA kernels (2, 4 or 8).
-inline int rank_bucket(int r) { return r <= 2 ? 2 : (r <= 4 ? 4 : 8); }
+/// \brief Compile-time width bucket used by the CUDA kernels (2, 4, 6 or 8).
+inline int rank_bucket(int r) { return r <= 2 ? 2 : (r <= 4 ? 4 : (r <= 6 ? 6 : 8)); }
 
-/// \brief Internal subspace width w for output rank r: oversampled to min(8, 2r) and rounded
-/// up to a bucket (r=1 -> 2, r=2 -> 4, r>=3 -> 8).  The extra columns cost little (the passes
-/// are memory bound) and make 3 iterations land within ~1% of the optimal rank-r error on
-/// decaying spectra, where width r alone can be 5-50% off when sigma_r ~ sigma_{r+1}.
-inline int power_width(int r) { return rank_bucket(2 * r < 8 ? 2 * r : 8); }
+/// \brief Internal subspace width w for output rank r: oversampled (r=1 -> 2, r=2 -> 4,
+/// r=3,4 -> 6, r>=5 -> 8).  The extra columns make 3 iterations land within ~1% of the
+/// optimal rank-r error on decaying spectra, where width r alone can be 5-50% off when
+/// sigma_r ~ sigma_{r+1}; they cost (w/r - 1) more flops in the passes.
+inline int power_width(int r) { return r <= 1 ? 2 : (r <= 2 ? 4 : (r <= 4 ? 6 : 8)); }
 
 /// \brief Number of T-splits of the multi-block CUDA path (device independent).
 inline int64_t power_iter_splits(int64_t N, int64_t T) {
