@@ -3,7 +3,8 @@
 //
 // Two paths, both exact (same entries as the CPU twin):
 //  * L <= 256 (value tokens, decode-block key channels): one warp per vector, the vector
-//    in registers (8 entries per lane), k + 1 rounds of a 64-bit warp arg-max (and arg-min).
+//    in registers (up to 8 entries per lane), k + 1 rounds of a warp arg-max (and arg-min)
+//    on the composite key: 32-bit (one __reduce_max_sync) for fp16/bf16, 64-bit for fp32.
 //  * L > 256 (prefill key channels, up to T = 128k and beyond): the vector's 32-bit
 //    order keys are written once to a workspace (transposed for key channels, so each
 //    vector is contiguous), then one 256-thread block per vector runs an MSB-first 8-bit
@@ -117,6 +118,102 @@ __global__ void __launch_bounds__(256) OutlierSelectWarpKernel(OutlierSelectPara
     const bool inl = kt == k + 1;
     p.bounds[vv * 2] = inl ? key_to_float((uint32_t)(lo_key >> 32)) : 0.f;
     p.bounds[vv * 2 + 1] = inl ? key_to_float((uint32_t)(hi_key >> 32)) : 0.f;
+  }
+}
+
+/// \brief 16-bit dtypes: order key of the raw fp16 / bf16 bits (same order as the float).
+__device__ __forceinline__ uint32_t orderable_key16(uint32_t h) {
+  return (h & 0x8000u) ? (~h & 0xffffu) : (h | 0x8000u);
+}
+__device__ __forceinline__ uint16_t key16_to_bits(uint32_t o) {
+  return (uint16_t)((o & 0x8000u) ? (o & 0x7fffu) : (~o & 0xffffu));
+}
+
+/// \brief Warp path for fp16 / bf16 (L <= 256): the composite key (value, -index) fits in
+/// 32 bits, so every round is one __reduce_max_sync / __reduce_min_sync.  Same selection as
+/// the 64-bit path (the 16-bit order equals the float order, -0 < +0).
+template <typename DType, typename IdType, int MAXE>
+__global__ void __launch_bounds__(256) OutlierSelectWarp16Kernel(OutlierSelectParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t V = num_vectors(p), L = vector_length(p), k = p.k;
+  const int64_t vv = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+  if (vv >= p.N * V) return;  // warp-uniform
+  const int64_t n = vv / V, v = vv % V;
+  const DType* x = static_cast<const DType*>(p.x);
+  uint32_t key[MAXE];
+  unsigned valid = 0;
+#pragma unroll
+  for (int i = 0; i < MAXE; ++i) {
+    const int64_t j = i * 32 + lane;
+    key[i] = 0;
+    if (j < L) {
+      const int64_t off = p.per_channel ? (n * p.T + j) * p.D + v : (n * p.T + v) * p.D + j;
+      key[i] = (orderable_key16(x[off].bits) << 16) | (0xffffu - (uint32_t)j);
+      valid |= 1u << i;
+    }
+  }
+  const int64_t kt = (L >= 2 * k + 1) ? k + 1 : k;
+  unsigned topm = 0, botm = 0;
+  uint32_t hi_key = 0, lo_key = 0;
+  for (int64_t round = 0; round < kt; ++round) {
+    uint32_t best = 0;
+#pragma unroll
+    for (int i = 0; i < MAXE; ++i)
+      if (((valid & ~topm) >> i) & 1u) best = key[i] > best ? key[i] : best;
+    best = __reduce_max_sync(kSelFullMask, best);
+    if (round < k) {
+#pragma unroll
+      for (int i = 0; i < MAXE; ++i)
+        if (((valid >> i) & 1u) && key[i] == best) topm |= 1u << i;
+    } else {
+      hi_key = best;
+    }
+  }
+  for (int64_t round = 0; round < kt; ++round) {
+    uint32_t best = 0xffffffffu;
+#pragma unroll
+    for (int i = 0; i < MAXE; ++i)
+      if (((valid & ~botm) >> i) & 1u) best = key[i] < best ? key[i] : best;
+    best = __reduce_min_sync(kSelFullMask, best);
+    if (round < k) {
+#pragma unroll
+      for (int i = 0; i < MAXE; ++i)
+        if (((valid >> i) & 1u) && key[i] == best) botm |= 1u << i;
+    } else {
+      lo_key = best;
+    }
+  }
+  DType* values = static_cast<DType*>(p.values);
+  IdType* indices = static_cast<IdType*>(p.indices);
+  const int64_t base = vv * 2 * k;
+  int pos_t = 0, pos_b = 0;
+  const unsigned below = (1u << lane) - 1u;
+#pragma unroll
+  for (int i = 0; i < MAXE; ++i) {
+    const bool ft = (topm >> i) & 1u, fb = (botm >> i) & 1u;
+    const unsigned bt = __ballot_sync(kSelFullMask, ft), bb = __ballot_sync(kSelFullMask, fb);
+    DType val;
+    val.bits = key16_to_bits(key[i] >> 16);
+    if (ft) {
+      const int64_t pos = base + pos_t + __popc(bt & below);
+      values[pos] = val;
+      indices[pos] = (IdType)(i * 32 + lane);
+    }
+    if (fb) {
+      const int64_t pos = base + k + pos_b + __popc(bb & below);
+      values[pos] = val;
+      indices[pos] = (IdType)(i * 32 + lane);
+    }
+    pos_t += __popc(bt);
+    pos_b += __popc(bb);
+  }
+  if (p.bounds && lane == 0) {
+    const bool inl = kt == k + 1;
+    DType hv, lv;
+    hv.bits = key16_to_bits(hi_key >> 16);
+    lv.bits = key16_to_bits(lo_key >> 16);
+    p.bounds[vv * 2] = inl ? to_float(lv) : 0.f;
+    p.bounds[vv * 2 + 1] = inl ? to_float(hv) : 0.f;
   }
 }
 
@@ -308,7 +405,16 @@ cudaError_t OutlierSelect(const OutlierSelectParams& p, cudaStream_t stream) {
   if (nvec == 0 || p.k == 0 || L == 0) return cudaSuccess;
   if (L <= 256) {
     const int64_t blocks = (nvec + 7) / 8;
-    OutlierSelectWarpKernel<DType, IdType><<<(unsigned)blocks, 256, 0, stream>>>(p);
+    if constexpr (sizeof(DType) == 2) {
+      if (L <= 64)
+        OutlierSelectWarp16Kernel<DType, IdType, 2><<<(unsigned)blocks, 256, 0, stream>>>(p);
+      else if (L <= 128)
+        OutlierSelectWarp16Kernel<DType, IdType, 4><<<(unsigned)blocks, 256, 0, stream>>>(p);
+      else
+        OutlierSelectWarp16Kernel<DType, IdType, 8><<<(unsigned)blocks, 256, 0, stream>>>(p);
+    } else {
+      OutlierSelectWarpKernel<DType, IdType><<<(unsigned)blocks, 256, 0, stream>>>(p);
+    }
     return cudaGetLastError();
   }
   if (p.keys_ws == nullptr) return cudaErrorInvalidValue;
