@@ -35,6 +35,15 @@ def test_clean_wikitext():
                    "See the site.\nHistory\nEnd")
 
 
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("gensim"),
+                    reason="the default text ships in gensim's wheel (eval extra)")
+def test_default_wikipedia_text_is_clean_prose():
+    name, text = cli.load_text("wiki", min_chars=20000)
+    assert len(text) >= 20000 and text.startswith("Anarchism is a political philosophy")
+    for junk in ("{{", "}}", "[[", "]]", "<ref", "&quot;", "'''"):
+        assert junk not in text, junk
+
+
 def test_demo_json(tmp_path, capsys):
     path = tmp_path / "demo.json"
     assert cli.main(["demo", "--tokens", "256", "--heads", "2", "--presets", "fp16,kivi-2,kivi-4",

@@ -374,39 +374,45 @@ def markdown_table(results: Dict[str, Dict[str, object]], with_model: bool = Tru
 
 
 def write_plot(results: Dict[str, Dict[str, object]], path: str, title: str) -> None:
+    """PNG: reconstruction error and perplexity vs bits/element (fp16 as a reference line,
+    log-scale perplexity so a collapsed preset does not flatten the others)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    names = list(results)
+    names = [n for n in results if n != "fp16"] or list(results)
     bits = [results[n]["bits_per_element"] for n in names]
     has_ppl = any(results[n].get("ppl") is not None for n in names)
     fig, axes = plt.subplots(1, 2 if has_ppl else 1, figsize=(12 if has_ppl else 6, 4.5))
     axes = list(axes) if has_ppl else [axes]
+
+    def label(ax, xs, ys):
+        for i, (n, x, y) in enumerate(zip(names, xs, ys)):
+            ax.annotate(n, (x, y), fontsize=7, xytext=(4, 4 if i % 2 else -9),
+                        textcoords="offset points")
+
     ax = axes[0]
-    ax.scatter(bits, [results[n]["key_rel_error"] for n in names], marker="o", label="key")
+    ke = [results[n]["key_rel_error"] for n in names]
+    ax.scatter(bits, ke, marker="o", label="key")
     ax.scatter(bits, [results[n]["value_rel_error"] for n in names], marker="x", label="value")
-    for n, b in zip(names, bits):
-        ax.annotate(n, (b, results[n]["key_rel_error"]), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
-    ax.set_xlabel("bits / element")
+    label(ax, bits, ke)
+    ax.set_xlabel("bits / element (fp16 = 16)")
     ax.set_ylabel("relative reconstruction error")
     ax.set_title("KV reconstruction error vs size")
     ax.grid(alpha=0.3)
     ax.legend()
     if has_ppl:
         ax = axes[1]
-        pts = [(results[n]["bits_per_element"], results[n]["ppl"], n) for n in names
-               if results[n].get("ppl") is not None]
+        pts = [(results[n]["bits_per_element"], results[n]["ppl"]) for n in names]
         ax.scatter([p[0] for p in pts], [p[1] for p in pts])
-        for b, p, n in pts:
-            ax.annotate(n, (b, p), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        label(ax, [p[0] for p in pts], [p[1] for p in pts])
         if "fp16" in results and results["fp16"].get("ppl") is not None:
             ax.axhline(results["fp16"]["ppl"], color="gray", ls="--", lw=0.8, label="fp16")
             ax.legend()
-        ax.set_xlabel("bits / element")
-        ax.set_ylabel("perplexity (continuation)")
+        ax.set_yscale("log")
+        ax.set_xlabel("bits / element (fp16 = 16)")
+        ax.set_ylabel("perplexity of the continuation (log)")
         ax.set_title("perplexity vs size")
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
