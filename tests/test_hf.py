@@ -305,6 +305,19 @@ def test_beam_search_is_refused_clearly():
                            pad_token_id=0, **{kh.cache_kwarg(model): kh.QuantizedCache("kivi-2")})
 
 
+def test_lazy_import():
+    """`kvq.hf` works after a plain `import kvquant_ext`, and the core package does not
+    import transformers."""
+    import subprocess
+    import sys
+    code = ("import sys, kvquant_ext as kvq; assert 'transformers' not in sys.modules; "
+            "c = kvq.hf.QuantizedCache('kivi-2'); assert 'transformers' in sys.modules; "
+            "print(type(c).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "QuantizedCache"
+
+
 def test_bad_config_argument():
     with pytest.raises(TypeError):
         kh.QuantizedCache(3)

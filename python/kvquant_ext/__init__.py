@@ -45,6 +45,15 @@ def compress(x: torch.Tensor, config, role: str, *, check_finite: bool = True) -
     return config.compress(x, role, check_finite=check_finite)
 
 
+def __getattr__(name: str):
+    # `kvq.hf` (needs transformers) and `kvq.cli` are imported on first use, so the core
+    # package never imports transformers.
+    if name in ("hf", "cli"):
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "HQMQCompressed", "HQMQConfig", "HQMQStream", "hqmq_decode", "hqmq_encode", "hqmq_secondary",
     "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
