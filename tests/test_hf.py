@@ -260,6 +260,22 @@ def test_gemma3_sliding_layers_stay_full_precision(with_model_config):
     assert q.layers[0].nbytes == 2 * 15 * 2 * 64 * 4
 
 
+@pytest.mark.parametrize("with_model_config", [True, False])
+def test_gemma3_compress_sliding_applies_the_window_by_mask(with_model_config):
+    model = tiny_model("gemma3")
+    ids = torch.randint(1, VOCAB, (2, 40))
+    ref = gen(model, ids, DynamicCache(config=model.config), n=20)
+    cache = kh.QuantizedCache("fp16", model.config if with_model_config else None,
+                              compress_sliding=True)
+    assert torch.equal(gen(model, ids, cache, n=20), ref)
+    assert [l.kind for l in cache.layers] == ["compressed"] * 4
+    assert cache.kv.get_seq_length(0) == 59  # every token kept, window applied by the mask
+    ids = torch.randint(1, VOCAB, (1, 200))
+    lr = teacher_forced_logits(model, ids, DynamicCache(config=model.config), 150)
+    lq = teacher_forced_logits(model, ids, kh.QuantizedCache("kivi-4", compress_sliding=True), 150)
+    assert _rel(lq, lr) < 0.03
+
+
 # ----------------------------------------------------------------------------- other paths
 def test_chunked_prefill_and_multi_token_steps():
     model = tiny_model()

@@ -277,20 +277,27 @@ class QuantizedCache(Cache):
     model_config : optional transformers config; when given, sliding-window layers are
         known up front (otherwise they are learned at the first forward, see module doc).
     check_finite : raise on NaN/Inf in cached tokens (default True).
+    compress_sliding : compress sliding-window layers too (they then keep every token, the
+        window being applied by the attention mask) instead of keeping their last
+        ``sliding_window - 1`` tokens in full precision (default False).  Worth it when the
+        window is long compared with the context (e.g. Mistral-7B-v0.1's 4096).
     """
 
-    def __init__(self, config="kivi-2", model_config=None, *, check_finite: bool = True):
+    def __init__(self, config="kivi-2", model_config=None, *, check_finite: bool = True,
+                 compress_sliding: bool = False):
         if isinstance(config, str):
             config = get_config(config)
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
                             f"got {type(config).__name__}")
-        self.config = config
+        self.config, self.compress_sliding = config, bool(compress_sliding)
         self.kv = KVCache(config, check_finite=check_finite)
         self._warned = False
         super().__init__(layers=[])
         if model_config is not None:
             for i, (kind, window) in enumerate(_layer_kinds(model_config)):
+                if self.compress_sliding:
+                    kind, window = "compressed", None
                 self.layers.append(QuantizedLayer(self, i, kind, window))
 
     def _layer(self, layer_idx: int) -> QuantizedLayer:
@@ -405,7 +412,7 @@ def kvq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
         layer.attn_seen = True
         if layer.kind is None:
             window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-            if window and getattr(module, "is_sliding", True):
+            if window and getattr(module, "is_sliding", True) and not layer.parent.compress_sliding:
                 layer.resolve("sliding", window)
             else:
                 layer.resolve("compressed")
