@@ -30,9 +30,11 @@ with the key tensor that ``Cache.update`` returns, which is exactly what the mod
 passes on to the attention function, so there is no global state and several caches
 (threads, models) can be live at once.
 
-If the model does *not* use ``"kvq"`` attention, the cache notices (no handle came
-back to it after a prefill) and falls back to returning dequantized tensors on decode,
-with a one-time warning: results stay correct, only slower.
+If the model does *not* use ``"kvq"`` attention — or its code replaces the returned
+tensors before attention, which would drop the handle — the cache notices (no handle came
+back to it at prefill) and falls back to returning dequantized tensors on decode, with a
+one-time warning: results stay correct, only slower.  Placeholders are therefore only
+ever handed out on a path where a handle has already made the round trip.
 
 Sliding-window layers (Gemma-2/3, Mistral with ``sliding_window``) are kept in full
 precision by transformers' own ``DynamicSlidingWindowLayer`` (they only hold the last
