@@ -82,6 +82,31 @@ def cache_bytes(cache) -> int:
     return n
 
 
+def allocated_bytes(obj) -> int:
+    """Bytes of every distinct tensor storage reachable from a cache object (capacity, not
+    just the used length: growable buffers over-allocate)."""
+    seen, total, stack, visited = set(), 0, [obj], set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            key = (st.data_ptr(), o.device)
+            if key not in seen and st.nbytes():
+                seen.add(key)
+                total += st.nbytes()
+            continue
+        if id(o) in visited or isinstance(o, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
+            continue
+        visited.add(id(o))
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            stack.extend(o)
+        elif hasattr(o, "__dict__") and type(o).__module__.split(".")[0] in ("kvquant_ext", "transformers"):
+            stack.extend(v for k, v in vars(o).items() if k != "parent")
+    return total
+
+
 def run_one(model, ids, args, preset: Optional[str], device) -> Dict[str, float]:
     from transformers import DynamicCache, LogitsProcessorList
     if preset is None:
@@ -110,10 +135,12 @@ def run_one(model, ids, args, preset: Optional[str], device) -> Dict[str, float]
     assert out.shape[1] == P + args.new and steps == args.new, (out.shape, steps)
     decode_s = clock.times[-1] - clock.times[0]
     nbytes = cache_bytes(cache)
+    alloc = allocated_bytes(cache)
     tokens = B * (P + args.new - 1)  # the last generated token is never written to the cache
     res = {"prefill_s": clock.times[0] - t0, "total_s": t1 - t0,
            "decode_tok_s": B * (steps - 1) / decode_s if decode_s > 0 else float("nan"),
-           "kv_bytes": nbytes, "kv_bytes_per_token_layer": nbytes / tokens / args.layers,
+           "kv_bytes": nbytes, "kv_alloc_bytes": alloc,
+           "kv_bytes_per_token_layer": nbytes / tokens / args.layers,
            "bits_per_element": 8.0 * nbytes / (tokens * args.layers * 2 * model.config.num_key_value_heads
                                                * model.config.head_dim),
            "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
@@ -187,22 +214,24 @@ def main(argv=None) -> int:
         f"{torch.__version__}, transformers {transformers.__version__}; {args.dtype}; batch "
         f"{args.batch}, prompt {args.prompt}, {args.new} new tokens (greedy); hidden "
         f"{cfg.hidden_size}, {cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads, "
-        f"head dim {cfg.head_dim}; weights {weights / GIB:.2f} GiB.  Decode tok/s excludes prefill. "
+        f"head dim {cfg.head_dim}; weights {weights / GIB:.2f} GiB.  KV stored = every byte the cache "
+        f"counts (nbytes); allocated = the capacity of its buffers. Decode tok/s excludes prefill. "
         f"Max batch: sequences of {seq} tokens whose KV fits {args.kv_budget_gib:g} GiB for the "
         f"full {args.full_layers}-layer model, from the measured KV bytes/token.",
         "",
-        "| cache | bits/elem | KV bytes/token/layer | KV GiB (measured) | peak GiB | prefill s | "
-        "decode tok/s | vs FP16 | max batch @ budget |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| cache | bits/elem | KV bytes/token/layer | KV GiB (stored) | KV GiB (allocated) | peak GiB | "
+        "prefill s | decode tok/s | vs FP16 | max batch @ budget |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         per_seq = r["kv_bytes_per_token_layer"] * args.full_layers * seq
         speed = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}×" if base else ""
         lines.append(f"| {name} | {r['bits_per_element']:.2f} | {r['kv_bytes_per_token_layer']:.0f} | "
-                     f"{r['kv_bytes'] / GIB:.3f} | {r['peak_bytes'] / GIB:.2f} | {r['prefill_s']:.2f} | "
+                     f"{r['kv_bytes'] / GIB:.3f} | {r['kv_alloc_bytes'] / GIB:.3f} | "
+                     f"{r['peak_bytes'] / GIB:.2f} | {r['prefill_s']:.2f} | "
                      f"{r['decode_tok_s']:.1f} | {speed} | {int(budget // per_seq)} |")
     for name, err in errors.items():
-        lines.append(f"| {name} | failed: {err} | | | | | | | |")
+        lines.append(f"| {name} | failed: {err} | | | | | | | | |")
     md = "\n".join(lines)
     print(md)
     if args.out:
