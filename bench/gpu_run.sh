@@ -12,9 +12,12 @@ ts "build extension"
 python3 -m pip install --no-build-isolation --no-deps -v . -C build-dir=build/gpu > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 grep -E "kvquant-ext:|CMake Error|Successfully installed" "$OUT/build.log"
 ts "build C++ benches"
-(cmake -S . -B build/kern -G Ninja -DKVQ_KERNELS_ONLY=ON > "$OUT/kern.log" 2>&1 && cmake --build build/kern -j 16 >> "$OUT/kern.log" 2>&1) || tail -30 "$OUT/kern.log"
+need_cpp=0; for b in "$@"; do case "$b" in *.py*) ;; *) need_cpp=1 ;; esac; done
+if [ "$need_cpp" = 1 ]; then
+  (cmake -S . -B build/kern -G Ninja -DKVQ_KERNELS_ONLY=ON > "$OUT/kern.log" 2>&1 && cmake --build build/kern -j 16 >> "$OUT/kern.log" 2>&1) || tail -30 "$OUT/kern.log"
+fi
 ts "CUDA tests"
-if [ -n "$K" ]; then python3 -m pytest -q -x tests -k "$K" -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
+if [ -n "$K" ]; then python3 -m pytest -q tests -k "$K" -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
 else python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25; fi
 for b in "$@"; do
   ts "bench $b"
@@ -24,4 +27,10 @@ for b in "$@"; do
     *) ./build/kern/bench/$b 2>&1 | tee -a "$OUT/bench.log" ;;
   esac
 done
+if [ -n "${SANITIZE:-}" ]; then
+  for tool in memcheck racecheck; do
+    ts "compute-sanitizer $tool: $SANITIZE"
+    compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -p no:cacheprovider $SANITIZE 2>&1 | tail -6
+  done
+fi
 ts "done"

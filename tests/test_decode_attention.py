@@ -49,7 +49,8 @@ def test_head_dims_gqa_dtypes(device, D, ratio, dtype):
     H = 2
     cache = build_cache("kivi-2", 1, H, 333 if device == "cuda" else 150, D, dtype, device, steps=5)
     q = torch.randn(1, H * ratio, 1, D, dtype=dtype, device=device)  # [B, Hq, 1, D] form
-    check(cache, q, tol=6e-3 if dtype == torch.bfloat16 else 4e-3)
+    # bf16: cache.dequantize() rounds every K/V entry to bf16 (2^-9), the op keeps fp32/fp16
+    check(cache, q, tol=1.5e-2 if dtype == torch.bfloat16 else 4e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -58,14 +58,25 @@ __device__ __forceinline__ uint32_t extract_pair(uint32_t w, int s) {
   return hsub2_u32(x, 0x64006400u);
 }
 
-/// \brief D = A(16x16, fp16) * B(16x8, fp16) + C, fp32 accumulate.
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+/// \brief D = A(16x16, fp16) * B(16x8, fp16) + C, fp32 accumulate.  NA = 2 keeps only the
+/// outputs of rows 0..7 (rows 8..15 of A are zero; their outputs are discarded).
+template <int NA>
+__device__ __forceinline__ void mma16816(float (&d)[NA], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  if constexpr (NA == 4) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    float t2, t3;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%10,%10};\n"
+        : "+f"(d[0]), "+f"(d[1]), "=f"(t2), "=f"(t3)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+  }
 }
 
 template <int N>
@@ -152,10 +163,15 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     }
   }
 
+  // With <= 8 query heads per KV head (TWO_ROWS = false) the mma rows 8..15 are zero: their
+  // outputs are discarded (mma_top) and no registers hold them.
+  constexpr int NA = TWO_ROWS ? 4 : 2;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  float acc[NV][4];
+  float acc[NV][NA];
 #pragma unroll
-  for (int n = 0; n < NV; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+  for (int n = 0; n < NV; ++n)
+#pragma unroll
+    for (int e = 0; e < NA; ++e) acc[n][e] = 0.f;
 
   const QuantKV& K = p.k;
   const QuantKV& V = p.v;
@@ -166,14 +182,32 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   const uint16_t* vscale = V.scale + b * V.scale_sb + h * V.scale_sh;
   const uint16_t* vzero = V.zero + b * V.scale_sb + h * V.scale_sh;
   constexpr int WROW = D * BITS / 32;
-  const int64_t kgroups_per_row = D / K.group;  // per-token keys
-  const int kj = (int)((c * (D / 4)) / K.group);  // per-token key group of this lane quad
+  const int64_t kgroups_per_row = KPC ? 1 : D / K.group;  // per-token keys
+  const int kj = KPC ? 0 : (int)((c * (D / 4)) / K.group);  // per-token key group of this lane quad
   const int64_t vgroups_per_row = D / V.group;
   const int vj = (int)((i * (D / 8)) / V.group);  // value group of this lane row
+  const int v_first_word = (i * CM::VP) / PK::PO;
+  const int soff = (i * CM::VP) % PK::PO;  // nonzero only when a row uses part of a word
 
   for (int64_t t0 = t_begin + warp * kTile; t0 < t_end; t0 += kWarps * kTile) {
-    // ---------------- scores for 4 n-tiles of 8 tokens ----------------
+    // ---------------- issue every load of the tile first (one memory round trip) ----------
+    uint32_t kw[4][CM::WK];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) load_words<CM::WK>(kcodes + (t0 + nt * 8 + i) * WROW + c * CM::WK, kw[nt]);
+    uint32_t vw[2][4][CM::WV];
+    uint32_t vsz[2][4];  // scale | zero << 16 of the 4 tokens of each k-step
+#pragma unroll
+    for (int kst = 0; kst < 2; ++kst) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int64_t t = t0 + 16 * kst + 2 * c + (u & 1) + 8 * (u >> 1);
+        load_words<CM::WV>(vcodes + t * WROW + v_first_word, vw[kst][u]);
+        const int64_t off = t * vgroups_per_row + vj;
+        vsz[kst][u] = ldg_u16(vscale + off) | (ldg_u16(vzero + off) << 16);
+      }
+    }
     uint32_t ks[CM::KP], kz[CM::KP];
+    uint32_t ksz[4];  // per-token keys: scale | zero << 16 of each n-tile's token
     if constexpr (KPC) {
       const int64_t gi = t0 / K.group;
       const uint16_t* sp = kscale + gi * D + c * (D / 4);
@@ -193,26 +227,30 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         ks[pp] = __byte_perm(sw[la / 2], sw[lb / 2], sel);
         kz[pp] = __byte_perm(zw[la / 2], zw[lb / 2], sel);
       }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int64_t off = (t0 + nt * 8 + i) * kgroups_per_row + kj;
+        ksz[nt] = ldg_u16(kscale + off) | (ldg_u16(kzero + off) << 16);
+      }
     }
-    float sc[4][4];
+    // ---------------- scores for 4 n-tiles of 8 tokens ----------------
+    float sc[4][NA];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
-      const int64_t t = t0 + nt * 8 + i;
-      uint32_t w[CM::WK];
-      load_words<CM::WK>(kcodes + t * WROW + c * CM::WK, w);
       if constexpr (!KPC) {
-        const int64_t off = t * kgroups_per_row + kj;
-        const uint32_t s = ldg_u16(kscale + off), z = ldg_u16(kzero + off);
+        const uint32_t s = ksz[nt] & 0xffffu, z = ksz[nt] >> 16;
 #pragma unroll
         for (int pp = 0; pp < CM::KP; ++pp) ks[pp] = s | (s << 16), kz[pp] = z | (z << 16);
       }
-      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+#pragma unroll
+      for (int e = 0; e < NA; ++e) sc[nt][e] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
         const int pa = 2 * kk, pb = 2 * kk + 1;
-        const uint32_t b0 = hfma2_u32(extract_pair<BITS>(w[pa / PK::PO], pa % PK::PO), ks[pa], kz[pa]);
-        const uint32_t b1 = hfma2_u32(extract_pair<BITS>(w[pb / PK::PO], pb % PK::PO), ks[pb], kz[pb]);
-        mma16816(sc[nt], qa[kk], b0, b1);
+        const uint32_t b0 = hfma2_u32(extract_pair<BITS>(kw[nt][pa / PK::PO], pa % PK::PO), ks[pa], kz[pa]);
+        const uint32_t b1 = hfma2_u32(extract_pair<BITS>(kw[nt][pb / PK::PO], pb % PK::PO), ks[pb], kz[pb]);
+        mma16816<NA>(sc[nt], qa[kk], b0, b1);
       }
     }
     // ---------------- online softmax (rows h0, h1) ----------------
@@ -224,69 +262,73 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         const int64_t t = t0 + nt * 8 + 2 * c + e;
         const bool keep = p.mask == nullptr || p.mask[b * p.mask_sb + t] != 0;
         sc[nt][e] = keep ? sc[nt][e] * sf0 : -INFINITY;
-        sc[nt][2 + e] = keep ? sc[nt][2 + e] * sf1 : -INFINITY;
         mx0 = fmaxf(mx0, sc[nt][e]);
-        mx1 = fmaxf(mx1, sc[nt][2 + e]);
+        if constexpr (TWO_ROWS) {
+          sc[nt][2 + e] = keep ? sc[nt][2 + e] * sf1 : -INFINITY;
+          mx1 = fmaxf(mx1, sc[nt][2 + e]);
+        }
       }
     }
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
     mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float mn0 = fmaxf(m0, mx0);
     const float al0 = mn0 == -INFINITY ? 1.f : exp2f(m0 - mn0);
-    const float al1 = mn1 == -INFINITY ? 1.f : exp2f(m1 - mn1);
-    m0 = mn0, m1 = mn1;
+    m0 = mn0;
+    float mn1 = -INFINITY, al1 = 1.f;
+    if constexpr (TWO_ROWS) {
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      mn1 = fmaxf(m1, mx1);
+      al1 = mn1 == -INFINITY ? 1.f : exp2f(m1 - mn1);
+      m1 = mn1;
+    }
+    float ps0 = 0.f, ps1 = 0.f;
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         sc[nt][e] = sc[nt][e] == -INFINITY ? 0.f : exp2f(sc[nt][e] - mn0);
-        sc[nt][2 + e] = sc[nt][2 + e] == -INFINITY ? 0.f : exp2f(sc[nt][2 + e] - mn1);
+        ps0 += sc[nt][e];
+        if constexpr (TWO_ROWS) {
+          sc[nt][2 + e] = sc[nt][2 + e] == -INFINITY ? 0.f : exp2f(sc[nt][2 + e] - mn1);
+          ps1 += sc[nt][2 + e];
+        }
       }
     }
-    float ps0 = 0.f, ps1 = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) ps0 += sc[nt][0] + sc[nt][1], ps1 += sc[nt][2] + sc[nt][3];
     l0 = l0 * al0 + ps0;
     l1 = l1 * al1 + ps1;
 #pragma unroll
-    for (int n = 0; n < NV; ++n) acc[n][0] *= al0, acc[n][1] *= al0, acc[n][2] *= al1, acc[n][3] *= al1;
+    for (int n = 0; n < NV; ++n) {
+      acc[n][0] *= al0, acc[n][1] *= al0;
+      if constexpr (TWO_ROWS) acc[n][2] *= al1, acc[n][3] *= al1;
+    }
 
     // ---------------- P . V over 2 k-steps of 16 tokens ----------------
 #pragma unroll
     for (int kst = 0; kst < 2; ++kst) {
       uint32_t pa[4];
       pa[0] = pack_half2(sc[2 * kst][0], sc[2 * kst][1]);
-      pa[1] = pack_half2(sc[2 * kst][2], sc[2 * kst][3]);
       pa[2] = pack_half2(sc[2 * kst + 1][0], sc[2 * kst + 1][1]);
-      pa[3] = pack_half2(sc[2 * kst + 1][2], sc[2 * kst + 1][3]);
-      const int64_t tb = t0 + 16 * kst + 2 * c;
-      const int64_t tok[4] = {tb, tb + 1, tb + 8, tb + 9};
-      uint32_t vw[4][CM::WV];
-      uint32_t vs[4], vz[4];
-      constexpr int VP0_DIV = CM::VP;  // pairs per row
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int first_pair = i * VP0_DIV;
-        load_words<CM::WV>(vcodes + tok[u] * WROW + first_pair / PK::PO, vw[u]);
-        const int64_t off = tok[u] * vgroups_per_row + vj;
-        vs[u] = ldg_u16(vscale + off);
-        vz[u] = ldg_u16(vzero + off);
+      if constexpr (TWO_ROWS) {
+        pa[1] = pack_half2(sc[2 * kst][2], sc[2 * kst][3]);
+        pa[3] = pack_half2(sc[2 * kst + 1][2], sc[2 * kst + 1][3]);
+      } else {
+        pa[1] = pa[3] = 0u;
       }
-      const uint32_t S01 = vs[0] | (vs[1] << 16), S89 = vs[2] | (vs[3] << 16);
-      const uint32_t Z01 = vz[0] | (vz[1] << 16), Z89 = vz[2] | (vz[3] << 16);
-      const int soff = (i * CM::VP) % PK::PO;  // nonzero only when a row uses part of a word
+      const uint32_t S01 = __byte_perm(vsz[kst][0], vsz[kst][1], 0x5410u);
+      const uint32_t Z01 = __byte_perm(vsz[kst][0], vsz[kst][1], 0x7632u);
+      const uint32_t S89 = __byte_perm(vsz[kst][2], vsz[kst][3], 0x5410u);
+      const uint32_t Z89 = __byte_perm(vsz[kst][2], vsz[kst][3], 0x7632u);
 #pragma unroll
       for (int pp = 0; pp < CM::VP; ++pp) {
         const int qq = soff + pp;
         const int wi = qq / PK::PO, s = qq % PK::PO;
-        const uint32_t xa = extract_pair<BITS>(vw[0][wi], s), xb = extract_pair<BITS>(vw[1][wi], s);
-        const uint32_t xc = extract_pair<BITS>(vw[2][wi], s), xd = extract_pair<BITS>(vw[3][wi], s);
-        mma16816(acc[2 * pp], pa, hfma2_u32(__byte_perm(xa, xb, 0x5410u), S01, Z01),
-                 hfma2_u32(__byte_perm(xc, xd, 0x5410u), S89, Z89));
-        mma16816(acc[2 * pp + 1], pa, hfma2_u32(__byte_perm(xa, xb, 0x7632u), S01, Z01),
-                 hfma2_u32(__byte_perm(xc, xd, 0x7632u), S89, Z89));
+        const uint32_t xa = extract_pair<BITS>(vw[kst][0][wi], s), xb = extract_pair<BITS>(vw[kst][1][wi], s);
+        const uint32_t xc = extract_pair<BITS>(vw[kst][2][wi], s), xd = extract_pair<BITS>(vw[kst][3][wi], s);
+        mma16816<NA>(acc[2 * pp], pa, hfma2_u32(__byte_perm(xa, xb, 0x5410u), S01, Z01),
+                     hfma2_u32(__byte_perm(xc, xd, 0x5410u), S89, Z89));
+        mma16816<NA>(acc[2 * pp + 1], pa, hfma2_u32(__byte_perm(xa, xb, 0x7632u), S01, Z01),
+                     hfma2_u32(__byte_perm(xc, xd, 0x7632u), S89, Z89));
       }
     }
   }
@@ -298,7 +340,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
 #pragma unroll
   for (int nt = 0; nt < NV; ++nt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
+    for (int e = 0; e < NA; ++e) {
       const int n = 2 * c + (e & 1);  // column of the n-tile = lane row n's channel
       const int hrow = (e >> 1) ? h1 : h0;
       if (hrow >= g) continue;
@@ -309,7 +351,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   }
   if (c == 0) {
     if (h0 < g) slot[h0 * (D + 2)] = m0, slot[h0 * (D + 2) + 1] = l0;
-    if (h1 < g) slot[h1 * (D + 2)] = m1, slot[h1 * (D + 2) + 1] = l1;
+    if (TWO_ROWS && h1 < g) slot[h1 * (D + 2)] = m1, slot[h1 * (D + 2) + 1] = l1;
   }
 }
 
@@ -386,7 +428,7 @@ struct SplitPlan {
 };
 
 template <typename DType, int D, int BITS, bool KPC, bool TWO_ROWS, bool MMA>
-__global__ void __launch_bounds__(kWarps * 32)
+__global__ void __launch_bounds__(kWarps * 32, D <= 128 ? 3 : 1)
     DecodeAttentionKernel(DecodeAttnParams p, SplitPlan plan) {
   extern __shared__ float smem[];
   const int split = blockIdx.x;
@@ -497,8 +539,11 @@ inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms) {
   }
   const int64_t tail = p.T - plan.t_main;
   if (tail > 0) {
-    int64_t ns = plan.t_main > 0 ? 1 : want;
-    const int64_t max_ns = (tail + 63) / 64;
+    // The generic path walks tokens one at a time per warp: keep its chunks short (32
+    // tokens = 8 per warp) so the residual window does not serialise the launch.
+    const int64_t tail_chunk = plan.t_main > 0 ? 32 : 64;
+    int64_t ns = plan.t_main > 0 ? (tail + tail_chunk - 1) / tail_chunk : want;
+    const int64_t max_ns = (tail + tail_chunk - 1) / tail_chunk;
     if (ns > max_ns) ns = max_ns;
     if (ns < 1) ns = 1;
     plan.chunk_tail = (tail + ns - 1) / ns;
