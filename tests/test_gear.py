@@ -485,9 +485,10 @@ def test_cuda_power_iter(dtype, T, d, rank):
     S = torch.linalg.svdvals(X.double())
     opt = S[..., rank:].pow(2).sum(-1).sqrt()
     tol = 0.05 if dtype != torch.float32 else 1e-3
+    factor = 1.03 if rank < 8 else 1.15  # rank 8 cannot be oversampled (as in the CPU test)
     for A, B in ((A0, B0), (A1, B1)):
         err = (X.double() - A.double() @ B.double().mT).flatten(-2).norm(dim=-1)
-        assert (err <= opt * 1.03 + tol * S[..., 0]).all(), (err, opt)
+        assert (err <= opt * factor + tol * S[..., 0]).all(), (err, opt)
     torch.testing.assert_close(A1.double() @ A1.double().mT, A0.double() @ A0.double().mT,
                                atol=0.02 if dtype != torch.float32 else 2e-3, rtol=0)
 

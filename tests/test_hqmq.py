@@ -405,7 +405,10 @@ def test_cuda_matches_cpu(S, rb, D, dtype, T):
         best, _ = ref.brute_force_best(x, sec) if S <= 192 else (None, None)
         if best is not None:
             chosen = ref.chosen_score(x, sec, dirs)
-            assert ((best - chosen) <= 2e-6 * ref.chunk_norms(x) + 1e-12).all()
+            ok = (best - chosen) <= 2e-6 * ref.chunk_norms(x) + 1e-12
+            if thr is not None:  # Med3x chunks are stored exactly; their direction field is 0
+                ok |= ref.chunk_norms(x) > thr.double().view(1, H, 1, 1) * (1 - 1e-6)
+            assert ok.all()
     y_cpu = kvq.hqmq_decode(cpu[0], cpu[1], sec, cpu[2], rb, D, dtype)
     y_gpu = kvq.hqmq_decode(cpu[0].cuda(), cpu[1].cuda(), sec.cuda(), cpu[2].cuda(), rb, D, dtype)
     assert torch.equal(y_cpu, y_gpu.cpu())
