@@ -288,6 +288,8 @@ class HQMQConfig(CompressionConfig):
 
 PRESETS["hqmq-3.79"] = HQMQConfig(secondary_size=96, radius_bits=4)
 PRESETS["hqmq-5"] = HQMQConfig(secondary_size=192, radius_bits=6, outlier_factor=3.0)
+
+
 # ----------------------------------------------------------------------------- GEAR
 @dataclass(frozen=True)
 class GEARConfig(CompressionConfig):
