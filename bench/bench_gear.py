@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
+import os
+import sys
+
 import kvquant_ext as kvq
+
+sys.path.insert(0, os.path.dirname(__file__))
+from utils import bench_time  # noqa: E402
 
 
 @dataclass
@@ -35,34 +38,6 @@ class Case:
     sparsity: float
     rank: int
     iters: int = 3
-
-
-def _flush(buf):
-    if buf is not None:
-        buf.zero_()
-
-
-def bench(fn, *, iters: int, warmup: int, device: str, flush_buf=None) -> float:
-    """Median time of fn() in microseconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(iters):
-            _flush(flush_buf)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
 
 
 # ----------------------------------------------------------------------------- torch-ops GEAR
@@ -138,10 +113,6 @@ def main():
 
     dev, dtype = args.device, getattr(torch, args.dtype)
     B, H, T, D = args.batch, args.heads, args.tokens, args.head_dim
-    flush_buf = None
-    if dev == "cuda":
-        l2 = torch.cuda.get_device_properties(0).L2_cache_size
-        flush_buf = torch.empty(max(4 * l2, 256 << 20) // 4, dtype=torch.int32, device=dev)
     cases = [
         Case("gear-2 prefill", B, H, T, D, 2, 64, 0.02, 4),
         Case("gear-4 prefill (KCVT)", B, H, T, D, 4, -1, 0.02, 4),
@@ -157,15 +128,14 @@ def main():
             G = c.group
             if pc and G != -1 and c.T % G:
                 G = c.T  # decode-block keys are their own group when n_b < G
-            t_kivi = bench(lambda: kvq.quantize(x, c.bits, G, pc), iters=args.iters,
-                           warmup=args.warmup, device=dev, flush_buf=flush_buf)
-            t_gear = bench(lambda: kvq.gear_compress(x, c.bits, G, pc, c.sparsity, c.rank, c.iters),
-                           iters=args.iters, warmup=args.warmup, device=dev, flush_buf=flush_buf)
+            t_kivi = bench_time(lambda: kvq.quantize(x, c.bits, G, pc), iters=args.iters,
+                           warmup=args.warmup, device=dev)
+            t_gear = bench_time(lambda: kvq.gear_compress(x, c.bits, G, pc, c.sparsity, c.rank, c.iters),
+                           iters=args.iters, warmup=args.warmup, device=dev)
             t_torch = float("nan")
             if not args.no_torch:
-                t_torch = bench(lambda: gear_torch(x, c.bits, G, pc, c.sparsity, c.rank, c.iters),
-                                iters=max(3, args.iters // 5), warmup=2, device=dev,
-                                flush_buf=flush_buf)
+                t_torch = bench_time(lambda: gear_torch(x, c.bits, G, pc, c.sparsity, c.rank, c.iters),
+                                iters=max(3, args.iters // 5), warmup=2, device=dev)
             rec = kvq.gear_decompress(*kvq.gear_compress(x, c.bits, G, pc, c.sparsity, c.rank, c.iters),
                                       c.bits, pc, dtype)
             kivi = kvq.dequantize(*kvq.quantize(x, c.bits, G, pc), c.bits, pc, dtype)

@@ -4,7 +4,7 @@ Next to each op, in the same run: a brute-force 24*S codeword search written wit
 ops (the public reference's approach: every codeword, one big matmul + argmax, chunked to
 bound memory) and a device-to-device copy of the input (bandwidth reference).
 
-Timing: CUDA events, median of --iters runs, L2 flushed (a 512 MiB write) before each run.
+Timing: CUDA events, median of --iters runs, L2 flushed (bench/utils.py) before each run.
 GB/s counts the bytes each op must move: encode reads x and writes codes + scales (+ Med3x
 records); decode reads codes + scales and writes x; copy reads and writes x.
 
@@ -14,13 +14,18 @@ records); decode reads codes + scales and writes x; copy reads and writes x.
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import dataclass
 
 import torch
 
+import os
+import sys
+
 import kvquant_ext as kvq
 from kvquant_ext.hqmq import hqmq_secondary, med3_threshold
+
+sys.path.insert(0, os.path.dirname(__file__))
+from utils import bench_time  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 DEFAULT_RADIUS_BITS = {96: 4, 192: 6}
@@ -36,22 +41,6 @@ class Row:
     @property
     def gbs(self) -> float:
         return self.nbytes / (self.us * 1e-6) / 1e9
-
-
-def bench(fn, iters: int, warmup: int, flush: torch.Tensor) -> float:
-    """Median time of fn() in microseconds, cold L2."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 def hurwitz_units(device) -> torch.Tensor:
@@ -110,28 +99,27 @@ def main():
     B, H, T, D = args.shape
     dtype = DTYPES[args.dtype]
     x = torch.randn(B, H, T, D, device=dev).to(dtype)
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
     esz = x.element_size()
     n = x.numel()
 
     dst = torch.empty_like(x)
-    rows = [Row("copy (D2D)", 0, bench(lambda: dst.copy_(x), args.iters, args.warmup, flush), 2 * n * esz)]
+    rows = [Row("copy (D2D)", 0, bench_time(lambda: dst.copy_(x), iters=args.iters, warmup=args.warmup), 2 * n * esz)]
     for S in args.secondary:
         rb = args.radius_bits or DEFAULT_RADIUS_BITS.get(S, 6)
         sec = hqmq_secondary(H, S, 0, device=dev)
         thr = med3_threshold(x, 3.0) if args.med3 else None
         codes, scale, rec = kvq.hqmq_encode(x, sec, rb, thr)
         stored = codes.numel() * 4 + scale.numel() * 2 + rec.numel() * 4
-        t_enc = bench(lambda: kvq.hqmq_encode(x, sec, rb, thr), args.iters, args.warmup, flush)
+        t_enc = bench_time(lambda: kvq.hqmq_encode(x, sec, rb, thr), iters=args.iters, warmup=args.warmup)
         rows.append(Row(f"hqmq_encode b_r={rb}", S, t_enc, n * esz + stored))
-        t_dec = bench(lambda: kvq.hqmq_decode(codes, scale, sec, rec, rb, D, dtype),
-                      args.iters, args.warmup, flush)
+        t_dec = bench_time(lambda: kvq.hqmq_decode(codes, scale, sec, rec, rb, D, dtype),
+                           iters=args.iters, warmup=args.warmup)
         rows.append(Row(f"hqmq_decode b_r={rb}", S, t_dec, n * esz + stored))
         if not args.no_brute:
             P = hurwitz_units(dev)
             cbs = hamilton(P[None, None, :, :], sec[:, :, None, :]).reshape(H, 24 * S, 4)
-            t_bf = bench(lambda: brute_force_encode(x, cbs, rb, args.chunk_rows), args.brute_iters,
-                         1, flush)
+            t_bf = bench_time(lambda: brute_force_encode(x, cbs, rb, args.chunk_rows),
+                         iters=args.brute_iters, warmup=1)
             rows.append(Row("brute force (torch matmul+argmax)", S, t_bf, n * esz))
             # sanity: the kernel's codewords score as well as the brute-force argmax
             dirs_bf, _, _ = brute_force_encode(x[:1, :, :256], cbs, rb, args.chunk_rows)
