@@ -184,3 +184,18 @@ def test_cache_bad_updates():
     bad[0, 0, 0, 0] = float("inf")
     with pytest.raises((RuntimeError, ValueError), match="NaN or Inf"):
         cache.update(bad, make_kv(1, 2, 1, 64, torch.float16), 0)
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "hqmq-5", "fp16"])
+def test_update_is_atomic(preset):
+    """A rejected value must not leave the keys one append ahead."""
+    cache = kvq.KVCache(preset)
+    k, v = make_kv(1, 2, 40, 64, torch.float16), make_kv(1, 2, 40, 64, torch.float16)
+    cache.update(k, v, 0)
+    bad = v[:, :, :3].clone()
+    bad[0, 1, 2, 5] = float("nan")
+    with pytest.raises(ValueError, match="'value' contains NaN"):
+        cache.update(k[:, :, :3], bad, 0)
+    with pytest.raises(ValueError, match="'value' has shape"):
+        cache.update(k[:, :, :3], make_kv(1, 2, 3, 32, torch.float16), 0)
+    assert cache.layers[0].key.seq_len == cache.layers[0].value.seq_len == 40

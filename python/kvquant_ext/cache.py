@@ -69,6 +69,12 @@ class KVCache:
             raise ValueError(f"arguments 'key' {tuple(key.shape)} and 'value' {tuple(value.shape)} "
                              "must agree in [B, H, T]")
         layer = self._ensure(layer_idx)
+        # validate both before appending either, so a bad value cannot leave the keys ahead
+        layer.key.validate(key, "key")
+        layer.value.validate(value, "value")
+        if self.check_finite and not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):
+            name = "key" if not torch.isfinite(key).all() else "value"
+            raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
         layer.key.append(key, "key")
         layer.value.append(value, "value")
 

@@ -64,7 +64,13 @@ class GEARCompressed(Compressed):
                                  check_finite=check_finite)
         if tail is not None and check_finite and not torch.isfinite(tail).all():
             raise ValueError("argument 'x' contains NaN or Inf")
-        return cls(dict(zip(_FIELDS, out)), spec, x.shape, x.dtype, tail)
+        fields = dict(zip(_FIELDS, out))
+        if check_finite and r > 0 and not (torch.isfinite(fields["A"]).all()
+                                           and torch.isfinite(fields["B"]).all()):
+            raise ValueError("argument 'x': its quantization residual is too large for fp16 "
+                             "low-rank factors (a singular value above 65504); use a smaller "
+                             "rank-0 config or rescale the input")
+        return cls(fields, spec, x.shape, x.dtype, tail)
 
     def decompress(self) -> torch.Tensor:
         f = self.fields

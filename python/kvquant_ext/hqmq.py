@@ -52,7 +52,8 @@ def med3_threshold(x: torch.Tensor, factor: float) -> torch.Tensor:
     if B * T == 0:
         return torch.full((H,), float("inf"), dtype=torch.float32, device=x.device)
     norms = x.detach().float().reshape(B, H, T * D // 4, 4).norm(dim=-1)
-    med = norms.transpose(0, 1).reshape(H, -1).median(dim=1).values
+    norms = torch.where(torch.isfinite(norms), norms, torch.full_like(norms, float("nan")))
+    med = norms.transpose(0, 1).reshape(H, -1).nanmedian(dim=1).values  # NaN/Inf ignored
     return (med * factor).to(torch.float32).contiguous()
 
 

@@ -50,6 +50,15 @@ class Stream:
         self.dtype: Optional[torch.dtype] = None
         self._shape = None  # (B, H, D)
 
+    def validate(self, x: torch.Tensor, name: str, check_finite: bool = False) -> None:
+        """Raise if ``x`` cannot be appended (shape, dtype, device, optionally NaN/Inf);
+        changes nothing, so a cache can check keys and values before appending either."""
+        check_cache_tensor(x, name)
+        if self._shape is not None:
+            self._check(x, name)
+        if check_finite and not torch.isfinite(x).all():
+            raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
+
     def _check(self, x: torch.Tensor, name: str) -> None:
         check_cache_tensor(x, name)
         B, H, _, D = x.shape

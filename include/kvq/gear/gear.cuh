@@ -80,7 +80,10 @@ __global__ void GearResidualKernel(GearParams p) {
     gear_dequant_slice<EPL, BITS>(p.q, r, lane, dq);
     quant::VecT<uint16_t, EPL> o;
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) o.v[i] = __half_as_ushort(__float2half_rn(xv[i] - dq[i]));
+    for (int i = 0; i < EPL; ++i) {
+      const float d = xv[i] - dq[i];  // non-finite (check_finite=False) -> 0, as on the CPU
+      o.v[i] = __half_as_ushort(__float2half_rn(isfinite(d) ? d : 0.f));
+    }
     reinterpret_cast<quant::VecT<uint16_t, EPL>*>(p.resid + r * D)[lane] = o;
   }
 }
@@ -136,7 +139,9 @@ __global__ void GearScatterOutliersKernel(GearParams p) {
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t vv = i / (2 * p.k);
-    out[vec_offset(p, vv / V, vv % V, (int64_t)idx[i])] = val[i];
+    const int64_t j = (int64_t)idx[i];
+    if (j < 0 || j >= (p.per_channel ? p.T : p.D)) continue;  // never write out of bounds
+    out[vec_offset(p, vv / V, vv % V, j)] = val[i];
   }
 }
 

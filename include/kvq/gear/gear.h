@@ -75,8 +75,12 @@ void gear_clamp_cpu(const GearParams& p, int64_t r0, int64_t r1) {
 template <typename DType>
 void gear_residual_cpu(const GearParams& p, const float* deq, int64_t r0, int64_t r1) {
   const DType* src = static_cast<const DType*>(p.k > 0 ? p.xc : p.x);
-  for (int64_t i = r0 * p.D; i < r1 * p.D; ++i)
-    p.resid[i] = float_to_half_bits_rn(to_float(src[i]) - deq[i]);
+  // NOTE: a non-finite residual (possible only with check_finite=False) is stored as 0 so it
+  // cannot spread through the low-rank factors to other tokens.
+  for (int64_t i = r0 * p.D; i < r1 * p.D; ++i) {
+    const float d = to_float(src[i]) - deq[i];
+    p.resid[i] = float_to_half_bits_rn(std::isfinite(d) ? d : 0.f);
+  }
 }
 
 /// \brief resid = 0 at the outlier positions of vectors [v0, v1).
