@@ -7,7 +7,8 @@ from conftest import CUDA, requires_cuda
 from kvquant_ext.attention import reference_decode_attention
 from test_group_quant import make_kv
 
-GQ_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "int2-per-token", "flexgen-4", "fp16"]
+GQ_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "int2-per-token", "flexgen-4", "fp16",
+              "gear-2", "hqmq-3.79", "hqmq-5"]  # the last three: dequantize path until fused
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 
@@ -132,3 +133,15 @@ def test_cuda_graph_capture():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, out2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", ["kivi-2", "fp16", "gear-2"])
+def test_fully_masked_row_gives_zeros(device, preset):
+    cache = build_cache(preset, 2, 2, 150, 64, torch.float16, device)
+    mask = torch.ones(2, 150, dtype=torch.bool, device=device)
+    mask[1] = False
+    q = torch.randn(2, 4, 64, dtype=torch.float16, device=device)
+    out = kvq.decode_attention(q, cache, 0, attn_mask=mask)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.isfinite(out).all() and out[0].abs().sum() > 0

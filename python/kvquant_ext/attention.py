@@ -79,10 +79,7 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
                      for j in range(0, g, _MAX_GROUP)]
             out = torch.cat(parts, dim=2).reshape(B, Hq, D)
     elif isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
-        K, V = kst.dequantize(), vst.dequantize()
-        mask = None if attn_mask is None else attn_mask[:, None, None, :]
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qc.unsqueeze(2), K, V, attn_mask=mask, scale=scale, enable_gqa=Hq != H).squeeze(2)
+        out = _sdpa(qc, kst.dequantize(), vst.dequantize(), scale, attn_mask, Hq != H)
     else:
         # NOTE: GEAR and HQMQ layers have no fused kernel yet; they attend over the layer
         # dequantized by their own ops (correct, but reads a full-precision copy).
@@ -91,9 +88,21 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
             _warned.add(name)
             warnings.warn(f"kvq.decode_attention: no fused kernel for {name} yet; dequantizing "
                           "the layer each call", RuntimeWarning, stacklevel=2)
-        out = reference_decode_attention(qc, *cache.dequantize(layer_idx), scale, attn_mask)
+        K, V = cache.dequantize(layer_idx)
+        out = _sdpa(qc, K, V, scale, attn_mask, Hq != H)
     out = out.to(q.dtype)
     return out if squeeze else out.unsqueeze(2)
+
+
+def _sdpa(q, K, V, scale, attn_mask, gqa):
+    """SDPA of q ``[B, Hq, D]`` over K, V ``[B, H, T, D]``; a fully masked row gives zeros
+    (as the fused op), not NaN."""
+    mask = None if attn_mask is None else attn_mask[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), K, V, attn_mask=mask, scale=scale, enable_gqa=gqa).squeeze(2)
+    if attn_mask is not None:
+        out = torch.where(attn_mask.any(dim=1)[:, None, None], out, torch.zeros_like(out))
+    return out
 
 
 def reference_decode_attention(q, K, V, scale, attn_mask=None):
