@@ -65,7 +65,7 @@ class KVCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
         """Append ``key``/``value`` tokens ``[B, H, t, D]`` to layer ``layer_idx``."""
-        if key.shape[:3] != value.shape[:3] if key.dim() == 4 and value.dim() == 4 else False:
+        if key.dim() == 4 and value.dim() == 4 and key.shape[:3] != value.shape[:3]:
             raise ValueError(f"arguments 'key' {tuple(key.shape)} and 'value' {tuple(value.shape)} "
                              "must agree in [B, H, T]")
         layer = self._ensure(layer_idx)
