@@ -11,6 +11,13 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 ts "build extension"
 python3 -m pip install --no-build-isolation --no-deps -v . -C build-dir=build/gpu > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 grep -E "kvquant-ext:|CMake Error|Successfully installed" "$OUT/build.log"
+# libstdc++ code linked *into* _C (a static copy) broke integer formatting in error messages
+# on this machine once; report it if it is back.
+so=$(python3 -c "import torch, kvquant_ext._C as c; print(c.__file__)" 2>/dev/null)
+if [ -n "$so" ]; then
+  n=$(nm -C --defined-only "$so" 2>/dev/null | grep -c -E "codecvt<char16_t|_M_insert<long>")
+  echo "libstdc++ symbols defined inside _C: $n (expected 0)"
+fi
 ts "build C++ benches"
 need_cpp=0; for b in "$@"; do case "$b" in *.py*) ;; *) need_cpp=1 ;; esac; done
 if [ "$need_cpp" = 1 ]; then
