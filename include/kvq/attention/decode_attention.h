@@ -61,54 +61,56 @@ KVQ_HOST_DEVICE float dequant_at(const QuantKV& s, int64_t b, int64_t h, int64_t
   return (float)q * half_bits_to_float(s.scale[off]) + half_bits_to_float(s.zero[off]);
 }
 
-/// \brief CPU twin: attention of the g query heads of (b, h), one token at a time in fp32.
-/// `row` is caller-provided scratch of size T.
+/// \brief CPU twin: attention of the g query heads of (b, h) in fp32.  Each token's key and
+/// value are dequantized once and used by all g query heads (GQA).  `row` and `kbuf` are
+/// caller-provided scratch (resized here).
 template <typename DType>
 void decode_attention_cpu(const DecodeAttnParams& p, int64_t b, int64_t h, std::vector<float>& row,
                           std::vector<float>& kbuf) {
-  const int64_t D = p.D, g = p.Hq / p.H;
-  const DType* q = static_cast<const DType*>(p.q);
-  DType* out = static_cast<DType*>(p.out);
-  row.resize(p.T);
-  kbuf.resize(D);
-  auto load = [&](const QuantKV& s, int64_t t, float* dst) {
+  const int64_t D = p.D, g = p.Hq / p.H, T = p.T;
+  const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
+  DType* out = static_cast<DType*>(p.out) + (b * p.Hq + h * g) * D;
+  row.resize(g * T);          // scores, then probabilities, [g][T]
+  kbuf.resize(D + g * D + g * D);  // one token, q as float [g][D], accumulators [g][D]
+  float* xt = kbuf.data();
+  float* qf = xt + D;
+  float* acc = qf + g * D;
+  for (int64_t i = 0; i < g * D; ++i) qf[i] = to_float(q[i]), acc[i] = 0.f;
+  auto load = [&](const QuantKV& s, int64_t t) {
     if (t < s.Tq) {
-      for (int64_t c = 0; c < D; ++c) dst[c] = dequant_at(s, b, h, t, c, D);
+      for (int64_t c = 0; c < D; ++c) xt[c] = dequant_at(s, b, h, t, c, D);
     } else {
       const DType* r = static_cast<const DType*>(s.residual) + b * s.res_sb + h * s.res_sh + (t - s.Tq) * D;
-      for (int64_t c = 0; c < D; ++c) dst[c] = to_float(r[c]);
+      for (int64_t c = 0; c < D; ++c) xt[c] = to_float(r[c]);
     }
   };
-  std::vector<float> acc(D);
-  for (int64_t j = 0; j < g; ++j) {
-    const int64_t hq = h * g + j;
-    const DType* qv = q + (b * p.Hq + hq) * D;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < p.T; ++t) {
-      if (p.mask && !p.mask[b * p.mask_sb + t]) {
-        row[t] = -INFINITY;
-        continue;
-      }
-      load(p.k, t, kbuf.data());
+  auto masked = [&](int64_t t) { return p.mask && !p.mask[b * p.mask_sb + t]; };
+  std::vector<float> m(g, -INFINITY), l(g, 0.f);
+  for (int64_t t = 0; t < T; ++t) {
+    if (masked(t)) {
+      for (int64_t j = 0; j < g; ++j) row[j * T + t] = -INFINITY;
+      continue;
+    }
+    load(p.k, t);
+    for (int64_t j = 0; j < g; ++j) {
       float s = 0.f;
-      for (int64_t c = 0; c < D; ++c) s += to_float(qv[c]) * kbuf[c];
-      row[t] = s * p.scale;
-      m = std::fmax(m, row[t]);
+      for (int64_t c = 0; c < D; ++c) s += qf[j * D + c] * xt[c];
+      row[j * T + t] = s * p.scale;
+      m[j] = std::fmax(m[j], row[j * T + t]);
     }
-    float l = 0.f;
-    std::fill(acc.begin(), acc.end(), 0.f);
-    if (m > -INFINITY) {
-      for (int64_t t = 0; t < p.T; ++t) {
-        if (row[t] == -INFINITY) continue;
-        const float e = std::exp(row[t] - m);
-        l += e;
-        load(p.v, t, kbuf.data());
-        for (int64_t c = 0; c < D; ++c) acc[c] += e * kbuf[c];
-      }
-    }
-    DType* o = out + (b * p.Hq + hq) * D;
-    for (int64_t c = 0; c < D; ++c) o[c] = from_float<DType>(l > 0.f ? acc[c] / l : 0.f);
   }
+  for (int64_t t = 0; t < T; ++t) {
+    if (masked(t)) continue;
+    load(p.v, t);
+    for (int64_t j = 0; j < g; ++j) {
+      const float e = std::exp(row[j * T + t] - m[j]);
+      l[j] += e;
+      for (int64_t c = 0; c < D; ++c) acc[j * D + c] += e * xt[c];
+    }
+  }
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t c = 0; c < D; ++c)
+      out[j * D + c] = from_float<DType>(l[j] > 0.f ? acc[j * D + c] / l[j] : 0.f);
 }
 
 }  // namespace attention
