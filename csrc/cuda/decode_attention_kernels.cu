@@ -1,5 +1,5 @@
 // Decode-attention entry points: split planning, the generic (CUDA-core) instantiations,
-// and dispatch to the tensor-core instantiations in decode_attention_b{2,4,8}_kernels.cu.
+// and dispatch to the tensor-core instantiations in decode_attention_mma_kernels.cu.in (one generated file per code width).
 #include "kvq/attention/decode_attention.cuh"
 #include "kvq/cuda_api.h"
 #include "kvq/quant/group_quant.cuh"
