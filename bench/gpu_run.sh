@@ -17,6 +17,16 @@ so=$(python3 -c "import torch, kvquant_ext._C as c; print(c.__file__)" 2>/dev/nu
 if [ -n "$so" ]; then
   n=$(nm -C --defined-only "$so" 2>/dev/null | grep -c -E "codecvt<char16_t|_M_insert<long>")
   echo "libstdc++ symbols defined inside _C: $n (expected 0)"
+  readelf -d "$so" | grep -E "NEEDED|RUNPATH" | head -20
+  echo "compilers: $(c++ --version | head -1); $(nvcc --version | tail -2 | head -1)"
+  python3 -X faulthandler -c "
+import torch, kvquant_ext as kvq
+x = torch.randn(2, 2, 64, 128, device='cuda', dtype=torch.float16)
+try:
+    torch.ops.kvq.quantize(x, 3, 32, True)
+except Exception as e:
+    print('bad-input error message OK:', str(e).splitlines()[0][:160])
+" 2>&1 | tail -5
 fi
 ts "build C++ benches"
 need_cpp=0; for b in "$@"; do case "$b" in *.py*) ;; *) need_cpp=1 ;; esac; done
@@ -24,8 +34,14 @@ if [ "$need_cpp" = 1 ]; then
   (cmake -S . -B build/kern -G Ninja -DKVQ_KERNELS_ONLY=ON > "$OUT/kern.log" 2>&1 && cmake --build build/kern -j 16 >> "$OUT/kern.log" 2>&1) || tail -30 "$OUT/kern.log"
 fi
 ts "CUDA tests"
-if [ -n "$K" ]; then python3 -m pytest -q tests -k "$K" -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25
-else python3 -m pytest -q tests -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25; fi
+# one process per test file: a crash loses at most the rest of its file
+sel=${K:+($K) and }"not bad_input"
+for f in tests/test_*.py; do
+  echo "--- $f"; python3 -m pytest -q "$f" -k "$sel" -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.log" | tail -3
+done
+ts "bad-input tests (own process)"
+python3 -m pytest -q tests -k "bad_input" -p no:cacheprovider 2>&1 | tee "$OUT/tests_bad_input.log" | tail -8
+[ -n "${DIAG:-}" ] && bash bench/diag_crash.sh > "$OUT/diag.log" 2>&1
 for b in "$@"; do
   ts "bench $b"
   # shellcheck disable=SC2086
@@ -34,6 +50,7 @@ for b in "$@"; do
     *) ./build/kern/bench/$b 2>&1 | tee -a "$OUT/bench.log" ;;
   esac
 done
+if [ -n "${NCU:-}" ]; then ts "ncu"; bash bench/ncu_decode.sh > "$OUT/ncu.log" 2>&1; grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Warp Cycles Per Issued|Block Limit|Waves|One or More|No Eligible|Stall" "$OUT/ncu.log" | head -40; fi
 if [ -n "${SANITIZE:-}" ]; then
   for tool in memcheck racecheck; do
     ts "compute-sanitizer $tool: $SANITIZE"

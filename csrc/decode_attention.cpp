@@ -91,9 +91,9 @@ DecodeAttentionCall prepare_decode_attention(const at::Tensor& q_in, const at::T
   p.k = make_role("k", c.q, k_codes, k_scale, k_zero, k_residual, k_bits, k_per_channel, B, H, D);
   p.v = make_role("v", c.q, v_codes, v_scale, v_zero, v_residual, v_bits, v_per_channel, B, H, D);
   const int64_t T = p.k.Tq + p.k.Tr;
-  TORCH_CHECK(T == p.v.Tq + p.v.Tr, "kvq.", kOp, ": keys hold ", T, " tokens but values hold ",
+  KVQ_CHECK(T == p.v.Tq + p.v.Tr, "kvq.", kOp, ": keys hold ", T, " tokens but values hold ",
               p.v.Tq + p.v.Tr);
-  TORCH_CHECK(T > 0, "kvq.", kOp, ": the cache layer is empty (T = 0)");
+  KVQ_CHECK(T > 0, "kvq.", kOp, ": the cache layer is empty (T = 0)");
   if (mask.has_value() && mask->defined()) {
     CHECK_DIM(kOp, *mask, "mask", 2);
     CHECK_SAME_DEVICE(kOp, c.q, "q", *mask, "mask");

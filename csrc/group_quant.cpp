@@ -8,10 +8,10 @@
 namespace kvq {
 
 void raise_status(const char* op, const char* arg, int32_t status) {
-  TORCH_CHECK(!(status & kStatusNonFinite), "kvq.", op, ": argument '", arg,
+  KVQ_CHECK(!(status & kStatusNonFinite), "kvq.", op, ": argument '", arg,
               "' contains NaN or Inf; compress finite tensors only (pass check_finite=False to "
               "skip this check, in which case a non-finite entry spoils its own group)");
-  TORCH_CHECK(!(status & kStatusOutOfRange), "kvq.", op, ": argument '", arg,
+  KVQ_CHECK(!(status & kStatusOutOfRange), "kvq.", op, ": argument '", arg,
               "' has entries with magnitude above 65504, which fp16 scales and zero points "
               "cannot represent");
 }

@@ -4,10 +4,17 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <string>
+#include <type_traits>
+
 #include "kvq/common/dispatch.h"
 
-#define KVQ_CHECK_ARG(cond, op, arg, ...) \
-  TORCH_CHECK(cond, "kvq.", op, ": argument '", arg, "' ", __VA_ARGS__)
+// Error messages are assembled by kvq::msg (integers via std::to_string, shapes, dtypes and
+// devices by hand) and handed to TORCH_CHECK as one string: no std::ostream number
+// formatting happens in this module.  (On the H200 build machine, an integer streamed into a
+// TORCH_CHECK message from this module crashed the process; see bench/NOTES.md.)
+#define KVQ_CHECK(cond, ...) TORCH_CHECK(cond, ::kvq::msg(__VA_ARGS__))
+#define KVQ_CHECK_ARG(cond, op, arg, ...) KVQ_CHECK(cond, "kvq.", op, ": argument '", arg, "' ", __VA_ARGS__)
 
 #define CHECK_FLOATING(op, t, name)                                                       \
   KVQ_CHECK_ARG((t).scalar_type() == at::kHalf || (t).scalar_type() == at::kBFloat16 ||    \
@@ -20,17 +27,45 @@
 #define CHECK_DIM(op, t, name, d) \
   KVQ_CHECK_ARG((t).dim() == (d), op, name, "must have ", d, " dimensions, got shape ", (t).sizes())
 #define CHECK_SAME_DEVICE(op, a, aname, b, bname)                                          \
-  TORCH_CHECK((a).device() == (b).device(), "kvq.", op, ": argument '", bname, "' is on ", \
+  KVQ_CHECK((a).device() == (b).device(), "kvq.", op, ": argument '", bname, "' is on ",   \
               (b).device(), " but '", aname, "' is on ", (a).device())
 
 namespace kvq {
+
+namespace detail {
+inline void put(std::string& s, const char* x) { s += x; }
+inline void put(std::string& s, const std::string& x) { s += x; }
+inline void put(std::string& s, char x) { s += x; }
+inline void put(std::string& s, bool x) { s += x ? "true" : "false"; }
+template <typename T, typename std::enable_if<std::is_integral<T>::value, int>::type = 0>
+inline void put(std::string& s, T x) { s += std::to_string(x); }
+inline void put(std::string& s, double x) { s += std::to_string(x); }
+inline void put(std::string& s, at::ScalarType x) { s += c10::toString(x); }
+inline void put(std::string& s, const c10::Device& x) {
+  s += c10::DeviceTypeName(x.type(), /*lower_case=*/true);
+  if (x.has_index()) s += ":" + std::to_string((int)x.index());
+}
+inline void put(std::string& s, at::IntArrayRef x) {
+  s += "[";
+  for (size_t i = 0; i < x.size(); ++i) s += (i ? ", " : "") + std::to_string(x[i]);
+  s += "]";
+}
+}  // namespace detail
+
+/// \brief Concatenate message parts (strings, integers, dtypes, devices, shapes).
+template <typename... Args>
+std::string msg(const Args&... args) {
+  std::string s;
+  (detail::put(s, args), ...);
+  return s;
+}
 
 inline DTypeId dtype_id(at::ScalarType t) {
   switch (t) {
     case at::kFloat: return DTypeId::kFloat32;
     case at::kHalf: return DTypeId::kFloat16;
     case at::kBFloat16: return DTypeId::kBFloat16;
-    default: TORCH_CHECK(false, "kvq: unsupported dtype ", t);
+    default: KVQ_CHECK(false, "kvq: unsupported dtype ", t);
   }
 }
 
@@ -57,7 +92,7 @@ auto translate_errors(F&& f) -> decltype(f()) {
   try {
     return f();
   } catch (const ::kvq::Error& e) {
-    TORCH_CHECK(false, e.what());
+    KVQ_CHECK(false, e.what());
   }
 }
 

@@ -12,7 +12,7 @@ namespace linalg {
     if ((d) <= 64) { constexpr int DMAX = 64; return __VA_ARGS__(); }            \
     if ((d) <= 128) { constexpr int DMAX = 128; return __VA_ARGS__(); }          \
     if ((d) <= 256) { constexpr int DMAX = 256; return __VA_ARGS__(); }          \
-    KVQ_THROW("kvq: lowrank_power_iter supports d <= 256, got " << (d));          \
+    KVQ_THROW("kvq: lowrank_power_iter supports d <= 256, got ", (d));          \
   }()
 
 #define KVQ_DISPATCH_RANK_BUCKET(r, RB, ...)                                      \
@@ -22,12 +22,12 @@ namespace linalg {
       case 4: { constexpr int RB = 4; return __VA_ARGS__(); }                    \
       case 6: { constexpr int RB = 6; return __VA_ARGS__(); }                    \
       case 8: { constexpr int RB = 8; return __VA_ARGS__(); }                    \
-      default: KVQ_THROW("kvq: rank must be 1..8, got " << (r));                 \
+      default: KVQ_THROW("kvq: rank must be 1..8, got ", (r));                 \
     }                                                                            \
   }()
 
 cudaError_t power_iter_cuda(const PowerIterParams& p, DTypeId dtype, cudaStream_t stream) {
-  if (p.rank < 1 || p.rank > kMaxRank) KVQ_THROW("kvq: rank must be 1..8, got " << p.rank);
+  if (p.rank < 1 || p.rank > kMaxRank) KVQ_THROW("kvq: rank must be 1..8, got ", p.rank);
   return KVQ_DISPATCH_DTYPE(dtype, DType, [&] {
     return KVQ_DISPATCH_DMAX(p.d, DMAX, [&] {
       return KVQ_DISPATCH_RANK_BUCKET(p.rank, RB, [&] {

@@ -15,7 +15,7 @@ enum class DTypeId : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
       case ::kvq::DTypeId::kFloat32: { using DType = float; return __VA_ARGS__(); } \
       case ::kvq::DTypeId::kFloat16: { using DType = ::kvq::half_t; return __VA_ARGS__(); } \
       case ::kvq::DTypeId::kBFloat16: { using DType = ::kvq::bf16_t; return __VA_ARGS__(); } \
-      default: KVQ_THROW("kvq: unsupported dtype id " << (int)(dtype_id));        \
+      default: KVQ_THROW("kvq: unsupported dtype id ", (int)(dtype_id));        \
     }                                                                              \
   }()
 
@@ -25,7 +25,7 @@ enum class DTypeId : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
       case 2: { constexpr int BITS = 2; return __VA_ARGS__(); }                  \
       case 4: { constexpr int BITS = 4; return __VA_ARGS__(); }                  \
       case 8: { constexpr int BITS = 8; return __VA_ARGS__(); }                  \
-      default: KVQ_THROW("kvq: bits must be 2, 4 or 8, got " << (bits));         \
+      default: KVQ_THROW("kvq: bits must be 2, 4 or 8, got ", (bits));         \
     }                                                                            \
   }()
 
@@ -37,7 +37,7 @@ enum class DTypeId : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
       case 64: { constexpr int EPL = 2; return __VA_ARGS__(); }                  \
       case 128: { constexpr int EPL = 4; return __VA_ARGS__(); }                 \
       case 256: { constexpr int EPL = 8; return __VA_ARGS__(); }                 \
-      default: KVQ_THROW("kvq: head dim must be 32, 64, 128 or 256, got " << (head_dim)); \
+      default: KVQ_THROW("kvq: head dim must be 32, 64, 128 or 256, got ", (head_dim)); \
     }                                                                            \
   }()
 

@@ -1,8 +1,8 @@
 // Library-owned error type for torch-free code (converted to torch errors in csrc/).
 #pragma once
-#include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace kvq {
 
@@ -11,11 +11,22 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& msg) : std::runtime_error(msg) {}
 };
 
-#define KVQ_THROW(...)                          \
-  do {                                          \
-    std::ostringstream kvq_oss_;                \
-    kvq_oss_ << __VA_ARGS__;                    \
-    throw ::kvq::Error(kvq_oss_.str());         \
-  } while (0)
+namespace detail {
+inline void cat_one(std::string& s, const char* x) { s += x; }
+inline void cat_one(std::string& s, const std::string& x) { s += x; }
+template <typename T, typename std::enable_if<std::is_arithmetic<T>::value, int>::type = 0>
+inline void cat_one(std::string& s, T x) { s += std::to_string(x); }
+}  // namespace detail
+
+/// \brief Concatenate strings and numbers (std::to_string: no iostreams, no locale).
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::string s;
+  (detail::cat_one(s, args), ...);
+  return s;
+}
+
+/// KVQ_THROW("message ", value, ...): throw kvq::Error with the parts concatenated.
+#define KVQ_THROW(...) throw ::kvq::Error(::kvq::cat(__VA_ARGS__))
 
 }  // namespace kvq

@@ -32,7 +32,7 @@
       case 1: { using IdType = uint8_t; return __VA_ARGS__(); }                   \
       case 2: { using IdType = int16_t; return __VA_ARGS__(); }                   \
       case 4: { using IdType = int32_t; return __VA_ARGS__(); }                   \
-      default: KVQ_THROW("kvq: index width must be 1, 2 or 4 bytes, got " << (nbytes)); \
+      default: KVQ_THROW("kvq: index width must be 1, 2 or 4 bytes, got ", (nbytes)); \
     }                                                                            \
   }()
 
