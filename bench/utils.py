@@ -20,11 +20,25 @@ def _flush_l2():
 
 
 def bench_gpu_time(fn: Callable[[], object], *, samples: int = 50, warmup: int = 3,
-                   cold_l2: bool = True) -> Dict[str, float]:
-    """Median/mean GPU time of ``fn()`` in microseconds (CUDA events)."""
+                   cold_l2: bool = True, graph: bool = False) -> Dict[str, float]:
+    """Median/mean GPU time of ``fn()`` in microseconds (CUDA events).
+
+    ``graph=True`` captures ``fn`` into a CUDA graph once and times its replays, so host-side
+    launch overhead (Python, argument checks) is excluded: what is left is GPU time."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+            with torch.cuda.graph(g, stream=s):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        fn = g.replay
     times = []
     for _ in range(samples):
         if cold_l2:

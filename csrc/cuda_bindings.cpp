@@ -13,7 +13,7 @@ namespace kvq {
 #define KVQ_CUDA_CALL(op, expr)                                                  \
   do {                                                                           \
     cudaError_t err_ = translate_errors([&] { return (expr); });                 \
-    TORCH_CHECK(err_ == cudaSuccess, "kvq.", op, ": CUDA error: ", cudaGetErrorString(err_)); \
+    KVQ_CHECK(err_ == cudaSuccess, "kvq.", op, ": CUDA error: ", cudaGetErrorString(err_)); \
   } while (0)
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x, int64_t bits,
@@ -138,7 +138,7 @@ at::Tensor decode_attention_gq_cuda(const at::Tensor& q, const at::Tensor& k_cod
                                                    v_zero, v_residual, mask, k_bits, k_per_channel, v_bits,
                                                    v_per_channel, scale);
   auto& p = c.params;
-  p.splits = attention::decode_attention_splits(p);
+  p.splits = attention::decode_attention_splits(p, dtype_id(c.q.scalar_type()));
   c.ws = at::empty({p.B * p.Hq * p.splits * (p.D + 2)}, c.q.options().dtype(at::kFloat));
   p.ws = c.ws.data_ptr<float>();
   auto stream = c10::cuda::getCurrentCUDAStream().stream();

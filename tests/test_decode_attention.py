@@ -123,6 +123,23 @@ def test_cuda_long_matches_cpu(preset, T):
 
 
 @requires_cuda
+@pytest.mark.parametrize("preset,D,dtype", [("kivi-2", 128, torch.float16), ("kivi-4", 128, torch.bfloat16),
+                                            ("int4-per-token", 128, torch.float16), ("kivi-2", 64, torch.float16),
+                                            (kvq.KIVIConfig(bits=8), 256, torch.float16)])
+def test_cuda_many_tiles_per_warp(preset, D, dtype):
+    """B x H large enough that each warp streams many tiles through its cp.async ring (wrap-
+    around of every stage), plus a mask that cuts through mma tiles."""
+    B, H, T = 4, 8, 12000
+    cache = build_cache(preset, B, H, T, D, dtype, "cuda", steps=5)
+    q = torch.randn(B, 4 * H, D, dtype=dtype, device="cuda")
+    check(cache, q)
+    mask = torch.ones(B, T + 5, dtype=torch.bool, device="cuda")
+    mask[1, :3001] = False
+    mask[2, 5000:5100] = False
+    check(cache, q, mask)
+
+
+@requires_cuda
 def test_cuda_graph_capture():
     cache = build_cache("kivi-2", 1, 8, 4096, 128, torch.float16, "cuda")
     q = torch.randn(1, 32, 128, dtype=torch.float16, device="cuda")

@@ -503,13 +503,16 @@ def test_cuda_outlier_select_ties_and_long(per_channel):
 @pytest.mark.parametrize("rank", [1, 2, 4, 8])
 def test_cuda_power_iter(dtype, T, d, rank):
     X = decaying((2, 3, T, d), seed=T + d + rank).to(dtype)
-    A0, B0 = kvq.lowrank_power_iter(X, rank, 3, 0)
-    A1, B1 = kvq.lowrank_power_iter(X.cuda(), rank, 3, 0)
+    # rank 8 cannot be oversampled: give it more iterations instead (3 iterations leave
+    # 26 % excess error on the 17 x 32 case, on CPU and GPU alike)
+    iters = 3 if rank < 8 else 8
+    A0, B0 = kvq.lowrank_power_iter(X, rank, iters, 0)
+    A1, B1 = kvq.lowrank_power_iter(X.cuda(), rank, iters, 0)
     A1, B1 = A1.cpu(), B1.cpu()
     S = torch.linalg.svdvals(X.double())
     opt = S[..., rank:].pow(2).sum(-1).sqrt()
     tol = 0.05 if dtype != torch.float32 else 1e-3
-    factor = 1.03 if rank < 8 else 1.15  # rank 8 cannot be oversampled (as in the CPU test)
+    factor = 1.03
     for A, B in ((A0, B0), (A1, B1)):
         err = (X.double() - A.double() @ B.double().mT).flatten(-2).norm(dim=-1)
         assert (err <= opt * factor + tol * S[..., 0]).all(), (err, opt)

@@ -66,7 +66,7 @@ cudaError_t gear_decompress_cuda(const GearParams& p, DTypeId dtype, int index_b
 namespace kvq {
 namespace attention {
 /// \brief Number of token splits (partials in p.ws) the launch will use for p.
-int decode_attention_splits(const DecodeAttnParams& p);
+int decode_attention_splits(const DecodeAttnParams& p, DTypeId dtype);
 /// \brief Fused decode attention; p.ws must hold B * Hq * splits * (D + 2) floats.
 cudaError_t decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream);
 }  // namespace attention

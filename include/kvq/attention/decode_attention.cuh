@@ -54,29 +54,17 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 /// \brief Codes s and s + PO of a packed word as an exact fp16x2 pair.
 template <int BITS>
 __device__ __forceinline__ uint32_t extract_pair(uint32_t w, int s) {
-  const uint32_t x = ((w >> (s * BITS)) & Pack<BITS>::MASK) | 0x64006400u;
+  uint32_t x;  // (w >> s*BITS) & MASK | 0x64006400 in one LOP3 (0xEA = (a & b) | c)
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(x) : "r"(w >> (s * BITS)), "n"(Pack<BITS>::MASK), "r"(0x64006400u));
   return hsub2_u32(x, 0x64006400u);
 }
 
-/// \brief D = A(16x16, fp16) * B(16x8, fp16) + C, fp32 accumulate.  NA = 2 keeps only the
-/// outputs of rows 0..7 (rows 8..15 of A are zero; their outputs are discarded).
-template <int NA>
-__device__ __forceinline__ void mma16816(float (&d)[NA], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  if constexpr (NA == 4) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    float t2, t3;
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%10,%10};\n"
-        : "+f"(d[0]), "+f"(d[1]), "=f"(t2), "=f"(t3)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
-  }
+/// \brief D = A(16x16, fp16) * B(16x8, fp16) + D, fp32 accumulate.
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 template <int N>
@@ -95,9 +83,64 @@ __device__ __forceinline__ void load_words(const int32_t* src, uint32_t (&w)[N])
   }
 }
 
+/// N consecutive 32-bit words from shared memory (16/8-byte vector loads where N allows).
+template <int N>
+__device__ __forceinline__ void lds_words(const int32_t* src, uint32_t (&w)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (N == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = (uint32_t)src[0];
+  }
+}
+
 __device__ __forceinline__ uint32_t ldg_u16(const uint16_t* p) {
   return (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p));
 }
+
+// ---------------------------------------------------------------------------
+// Per-warp shared-memory pipeline of the mma path.  Each warp owns a ring of kStages<BITS, D>
+// tile buffers; it issues cp.async copies of its tile k + S - 1 while computing tile k, so
+// S - 1 tiles (~3.5 KB each at 2 bits, D = 128) per warp are in flight.
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+/// Warp-cooperative copy of `bytes` <= MAXB (multiples of 16, both ends 16-byte aligned):
+/// fully unrolled, one predicated 16-byte cp.async per lane and step.
+template <int MAXB>
+__device__ __forceinline__ void warp_copy_async(void* dst, const void* src, int bytes, int lane) {
+#pragma unroll
+  for (int j = 0; j < (MAXB / 16 + 31) / 32; ++j) {
+    const int x = lane + 32 * j;
+    if (x * 16 < bytes) cp_async16(static_cast<char*>(dst) + 16 * x, static_cast<const char*>(src) + 16 * x);
+  }
+}
+
+/// Byte layout of one 32-token tile in shared memory (KPC: keys grouped per channel).
+template <int D, int BITS, bool KPC>
+struct TileLayout {
+  static constexpr int CODES = kTile * D * BITS / 8;             // K or V codes of the tile
+  static constexpr int KS = KPC ? 2 * D : kTile * 4 * 2;         // K scale (or zero): 1 row / <= 4 groups x 32 tokens
+  static constexpr int VS = kTile * 8 * 2;                       // V scale (or zero): <= 8 groups x 32 tokens
+  static constexpr int KC_OFF = 0, VC_OFF = CODES, KS_OFF = 2 * CODES, KZ_OFF = KS_OFF + KS,
+                       VS_OFF = KZ_OFF + KS, VZ_OFF = VS_OFF + VS;
+  static constexpr int BYTES = VZ_OFF + VS;
+  static constexpr int STAGES = BYTES <= 4096 ? 3 : 2;
+  static constexpr int RING = STAGES * BYTES;
+};
 
 /// Channel assignment of the mma path for head dim D and code width BITS.
 ///  K (QK B-fragment): lane quad c owns pairs P = c * D/8 + p, p < D/8, i.e. the channels
@@ -119,59 +162,65 @@ struct ChannelMap {
 
 // ---------------------------------------------------------------------------
 // Tensor-core path for tokens [t_begin, t_end) (multiple of kTile, all quantized).
+//
+// Transposed form, so that no mma row is wasted on absent query heads:
+//   S^T (tokens x heads) = K (tokens x channels, A operand) . q^T (channels x heads, B)
+//   O^T (channels x heads) += V^T (channels x tokens, A operand) . P^T (tokens x heads, B)
+// The g <= 8 query heads of a KV head are the N = 8 columns.  S^T comes out of the first mma
+// in the C layout (lane (i, c): tokens i, i + 8, heads 2c, 2c + 1); movmatrix.trans turns each
+// 8 x 8 fp16 block of P into the B layout of the second (lane (i, c): head i, tokens 2c, 2c + 1).
+// Each lane therefore keeps the softmax state (m, l) of heads 2c and 2c + 1.
 // ---------------------------------------------------------------------------
-template <typename DType, int D, int BITS, bool KPC, bool TWO_ROWS>
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+template <typename DType, int D, int BITS, bool KPC>
 __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
-                         int64_t t_end, int warp, float* slot) {
+                         int64_t t_end, int warp, float* slot, char* ring) {
   using CM = ChannelMap<D, BITS>;
+  using TL = TileLayout<D, BITS, KPC>;
   using PK = Pack<BITS>;
   constexpr int NK = D / 16;  // k-steps of QK
-  constexpr int NV = D / 8;   // n-tiles of PV
+  constexpr int MV = D / 16;  // m-tiles (16 channels) of PV
   const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
-  const int h0 = i, h1 = i + 8;
   const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
 
-  // ---- q fragments, normalised per head so fp16 cannot overflow ----
-  float qm0 = 0.f, qm1 = 0.f;
+  // ---- q^T B-fragments of head i, normalised per head so fp16 cannot overflow ----
+  float qm = 0.f;
+  if (i < g) {
 #pragma unroll
-  for (int pp = 0; pp < CM::KP; ++pp) {
+    for (int pp = 0; pp < CM::KP; ++pp)
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const int ch = c * (D / 4) + CM::channel(pp, m);
-      if (h0 < g) qm0 = fmaxf(qm0, fabsf(to_float(q[h0 * D + ch])));
-      if (TWO_ROWS && h1 < g) qm1 = fmaxf(qm1, fabsf(to_float(q[h1 * D + ch])));
-    }
+      for (int m = 0; m < 2; ++m) qm = fmaxf(qm, fabsf(to_float(q[i * D + c * (D / 4) + CM::channel(pp, m)])));
   }
-  qm0 = fmaxf(qm0, __shfl_xor_sync(0xffffffffu, qm0, 1));
-  qm0 = fmaxf(qm0, __shfl_xor_sync(0xffffffffu, qm0, 2));
-  qm1 = fmaxf(qm1, __shfl_xor_sync(0xffffffffu, qm1, 1));
-  qm1 = fmaxf(qm1, __shfl_xor_sync(0xffffffffu, qm1, 2));
-  qm0 = qm0 > 0.f ? qm0 : 1.f;
-  qm1 = qm1 > 0.f ? qm1 : 1.f;
-  const float sf0 = qm0 * p.scale * kLog2e, sf1 = qm1 * p.scale * kLog2e;
-  uint32_t qa[NK][4];
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 1));
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 2));
+  qm = qm > 0.f ? qm : 1.f;
+  const float rq = 1.f / qm;
+  uint32_t qb[NK][2];
 #pragma unroll
   for (int kk = 0; kk < NK; ++kk) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {  // r = 0: pair 2kk (a0/a1), r = 1: pair 2kk + 1 (a2/a3)
+    for (int r = 0; r < 2; ++r) {  // r = 0: pair 2kk (k rows 2c, 2c+1), r = 1: pair 2kk + 1 (rows 2c+8, 2c+9)
       const int pp = 2 * kk + r;
       const int cha = c * (D / 4) + CM::channel(pp, 0), chb = c * (D / 4) + CM::channel(pp, 1);
-      qa[kk][2 * r] = h0 < g ? pack_half2(to_float(q[h0 * D + cha]) / qm0, to_float(q[h0 * D + chb]) / qm0) : 0u;
-      qa[kk][2 * r + 1] = (TWO_ROWS && h1 < g)
-                              ? pack_half2(to_float(q[h1 * D + cha]) / qm1, to_float(q[h1 * D + chb]) / qm1)
-                              : 0u;
+      qb[kk][r] = i < g ? pack_half2(to_float(q[i * D + cha]) * rq, to_float(q[i * D + chb]) * rq) : 0u;
     }
   }
+  // this lane's softmax heads are 2c and 2c + 1: their score factors (log2 domain)
+  const float sl = p.scale * kLog2e;
+  const float sfA = __shfl_sync(0xffffffffu, qm, (2 * c) * 4) * sl;
+  const float sfB = __shfl_sync(0xffffffffu, qm, (2 * c + 1) * 4) * sl;
 
-  // With <= 8 query heads per KV head (TWO_ROWS = false) the mma rows 8..15 are zero: their
-  // outputs are discarded (mma_top) and no registers hold them.
-  constexpr int NA = TWO_ROWS ? 4 : 2;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
-  float acc[NV][NA];
+  float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
+  float acc[MV][4];  // O^T: rows = channels (i, i + 8 of m-tile), cols = heads 2c, 2c + 1
 #pragma unroll
-  for (int n = 0; n < NV; ++n)
+  for (int n = 0; n < MV; ++n)
 #pragma unroll
-    for (int e = 0; e < NA; ++e) acc[n][e] = 0.f;
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
 
   const QuantKV& K = p.k;
   const QuantKV& V = p.v;
@@ -182,176 +231,206 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   const uint16_t* vscale = V.scale + b * V.scale_sb + h * V.scale_sh;
   const uint16_t* vzero = V.zero + b * V.scale_sb + h * V.scale_sh;
   constexpr int WROW = D * BITS / 32;
-  const int64_t kgroups_per_row = KPC ? 1 : D / K.group;  // per-token keys
+  const int ngk = KPC ? 1 : (int)(D / K.group);             // per-token key groups per token
   const int kj = KPC ? 0 : (int)((c * (D / 4)) / K.group);  // per-token key group of this lane quad
-  const int64_t vgroups_per_row = D / V.group;
+  const int ngv = (int)(D / V.group);
   const int vj = (int)((i * (D / 8)) / V.group);  // value group of this lane row
   const int v_first_word = (i * CM::VP) / PK::PO;
   const int soff = (i * CM::VP) % PK::PO;  // nonzero only when a row uses part of a word
+  const int kgroup = (int)K.group;
 
-  for (int64_t t0 = t_begin + warp * kTile; t0 < t_end; t0 += kWarps * kTile) {
-    // ---------------- issue every load of the tile first (one memory round trip) ----------
+  // this warp's tiles: t0 = t_begin + (warp + kWarps * k) * kTile, k < ntiles
+  const int64_t first = t_begin + warp * kTile;
+  const int ntiles = first < t_end ? (int)((t_end - first + kWarps * kTile - 1) / (kWarps * kTile)) : 0;
+  auto issue = [&](int k) {
+    if (k < ntiles) {
+      const int64_t t0 = first + (int64_t)k * kWarps * kTile;
+      char* st = ring + (k % TL::STAGES) * TL::BYTES;
+      warp_copy_async<TL::CODES>(st + TL::KC_OFF, kcodes + t0 * WROW, TL::CODES, lane);
+      warp_copy_async<TL::CODES>(st + TL::VC_OFF, vcodes + t0 * WROW, TL::CODES, lane);
+      if constexpr (KPC) {
+        const int gi = (int)t0 / kgroup;
+        warp_copy_async<2 * D>(st + TL::KS_OFF, kscale + (int64_t)gi * D, 2 * D, lane);
+        warp_copy_async<2 * D>(st + TL::KZ_OFF, kzero + (int64_t)gi * D, 2 * D, lane);
+      } else {
+        warp_copy_async<TL::KS>(st + TL::KS_OFF, kscale + t0 * ngk, kTile * ngk * 2, lane);
+        warp_copy_async<TL::KS>(st + TL::KZ_OFF, kzero + t0 * ngk, kTile * ngk * 2, lane);
+      }
+      warp_copy_async<TL::VS>(st + TL::VS_OFF, vscale + t0 * ngv, kTile * ngv * 2, lane);
+      warp_copy_async<TL::VS>(st + TL::VZ_OFF, vzero + t0 * ngv, kTile * ngv * 2, lane);
+    }
+    cp_async_commit();  // (possibly empty) group: keeps the wait count uniform
+  };
+#pragma unroll
+  for (int k = 0; k < TL::STAGES - 1; ++k) issue(k);
+
+  for (int k = 0; k < ntiles; ++k) {
+    issue(k + TL::STAGES - 1);
+    cp_async_wait<TL::STAGES - 1>();
+    __syncwarp();
+    const int64_t t0 = first + (int64_t)k * kWarps * kTile;
+    const char* st = ring + (k % TL::STAGES) * TL::BYTES;
+    const int32_t* s_kc = reinterpret_cast<const int32_t*>(st + TL::KC_OFF);
+    const int32_t* s_vc = reinterpret_cast<const int32_t*>(st + TL::VC_OFF);
+    const uint16_t* s_ks = reinterpret_cast<const uint16_t*>(st + TL::KS_OFF);
+    const uint16_t* s_kz = reinterpret_cast<const uint16_t*>(st + TL::KZ_OFF);
+    const uint16_t* s_vs = reinterpret_cast<const uint16_t*>(st + TL::VS_OFF);
+    const uint16_t* s_vz = reinterpret_cast<const uint16_t*>(st + TL::VZ_OFF);
+
+    // ---------------- S^T = K q^T: 2 m-tiles of 16 tokens ----------------
+    // key rows nt * 8 + i (nt = 0..3): m-tile nt / 2, row half nt % 2
     uint32_t kw[4][CM::WK];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) load_words<CM::WK>(kcodes + (t0 + nt * 8 + i) * WROW + c * CM::WK, kw[nt]);
-    uint32_t vw[2][4][CM::WV];
-    uint32_t vsz[2][4];  // scale | zero << 16 of the 4 tokens of each k-step
-#pragma unroll
-    for (int kst = 0; kst < 2; ++kst) {
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int64_t t = t0 + 16 * kst + 2 * c + (u & 1) + 8 * (u >> 1);
-        load_words<CM::WV>(vcodes + t * WROW + v_first_word, vw[kst][u]);
-        const int64_t off = t * vgroups_per_row + vj;
-        vsz[kst][u] = ldg_u16(vscale + off) | (ldg_u16(vzero + off) << 16);
-      }
-    }
-    uint32_t ks[CM::KP], kz[CM::KP];
-    uint32_t ksz[4];  // per-token keys: scale | zero << 16 of each n-tile's token
-    if constexpr (KPC) {
-      const int64_t gi = t0 / K.group;
-      const uint16_t* sp = kscale + gi * D + c * (D / 4);
-      const uint16_t* zp = kzero + gi * D + c * (D / 4);
-      uint32_t sw[D / 8], zw[D / 8];  // D/4 halves as D/8 words
-#pragma unroll
-      for (int u = 0; u < D / 32; ++u) {
-        uint4 a = __ldg(reinterpret_cast<const uint4*>(sp) + u);
-        uint4 z = __ldg(reinterpret_cast<const uint4*>(zp) + u);
-        sw[4 * u] = a.x, sw[4 * u + 1] = a.y, sw[4 * u + 2] = a.z, sw[4 * u + 3] = a.w;
-        zw[4 * u] = z.x, zw[4 * u + 1] = z.y, zw[4 * u + 2] = z.z, zw[4 * u + 3] = z.w;
-      }
-#pragma unroll
-      for (int pp = 0; pp < CM::KP; ++pp) {
-        const int la = CM::channel(pp, 0), lb = CM::channel(pp, 1);  // same parity
-        const uint32_t sel = (la & 1) ? 0x7632u : 0x5410u;
-        ks[pp] = __byte_perm(sw[la / 2], sw[lb / 2], sel);
-        kz[pp] = __byte_perm(zw[la / 2], zw[lb / 2], sel);
-      }
-    } else {
+    for (int nt = 0; nt < 4; ++nt) lds_words<CM::WK>(s_kc + (nt * 8 + i) * WROW + c * CM::WK, kw[nt]);
+    uint32_t ksz[4];  // per-token keys: scale | zero << 16 of token row nt * 8 + i
+    if constexpr (!KPC) {
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
-        const int64_t off = (t0 + nt * 8 + i) * kgroups_per_row + kj;
-        ksz[nt] = ldg_u16(kscale + off) | (ldg_u16(kzero + off) << 16);
+        const int off = (nt * 8 + i) * ngk + kj;
+        ksz[nt] = (uint32_t)s_ks[off] | ((uint32_t)s_kz[off] << 16);
       }
     }
-    // ---------------- scores for 4 n-tiles of 8 tokens ----------------
-    float sc[4][NA];
+    const uint32_t* sw = reinterpret_cast<const uint32_t*>(s_ks + c * (D / 4));  // per-channel keys
+    const uint32_t* zw = reinterpret_cast<const uint32_t*>(s_kz + c * (D / 4));
+    float sc[2][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      if constexpr (!KPC) {
-        const uint32_t s = ksz[nt] & 0xffffu, z = ksz[nt] >> 16;
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int pp = 0; pp < CM::KP; ++pp) ks[pp] = s | (s << 16), kz[pp] = z | (z << 16);
+      for (int e = 0; e < 4; ++e) sc[mt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+      const int pa = 2 * kk, pb = 2 * kk + 1;
+      uint32_t ksa[2], kza[2], ksb[2], kzb[2];  // [row half]: scale/zero of pairs pa, pb
+      if constexpr (KPC) {
+        const int la = CM::channel(pa, 0), lb = CM::channel(pa, 1);  // same parity
+        const int ma = CM::channel(pb, 0), mb = CM::channel(pb, 1);
+        ksa[0] = ksa[1] = __byte_perm(sw[la / 2], sw[lb / 2], (la & 1) ? 0x7632u : 0x5410u);
+        kza[0] = kza[1] = __byte_perm(zw[la / 2], zw[lb / 2], (la & 1) ? 0x7632u : 0x5410u);
+        ksb[0] = ksb[1] = __byte_perm(sw[ma / 2], sw[mb / 2], (ma & 1) ? 0x7632u : 0x5410u);
+        kzb[0] = kzb[1] = __byte_perm(zw[ma / 2], zw[mb / 2], (ma & 1) ? 0x7632u : 0x5410u);
       }
 #pragma unroll
-      for (int e = 0; e < NA; ++e) sc[nt][e] = 0.f;
+      for (int mt = 0; mt < 2; ++mt) {
+        if constexpr (!KPC) {
 #pragma unroll
-      for (int kk = 0; kk < NK; ++kk) {
-        const int pa = 2 * kk, pb = 2 * kk + 1;
-        const uint32_t b0 = hfma2_u32(extract_pair<BITS>(kw[nt][pa / PK::PO], pa % PK::PO), ks[pa], kz[pa]);
-        const uint32_t b1 = hfma2_u32(extract_pair<BITS>(kw[nt][pb / PK::PO], pb % PK::PO), ks[pb], kz[pb]);
-        mma16816<NA>(sc[nt], qa[kk], b0, b1);
-      }
-    }
-    // ---------------- online softmax (rows h0, h1) ----------------
-    float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int64_t t = t0 + nt * 8 + 2 * c + e;
-        const bool keep = p.mask == nullptr || p.mask[b * p.mask_sb + t] != 0;
-        sc[nt][e] = keep ? sc[nt][e] * sf0 : -INFINITY;
-        mx0 = fmaxf(mx0, sc[nt][e]);
-        if constexpr (TWO_ROWS) {
-          sc[nt][2 + e] = keep ? sc[nt][2 + e] * sf1 : -INFINITY;
-          mx1 = fmaxf(mx1, sc[nt][2 + e]);
+          for (int hh = 0; hh < 2; ++hh) {
+            const uint32_t s1 = ksz[2 * mt + hh] & 0xffffu, z1 = ksz[2 * mt + hh] >> 16;
+            ksa[hh] = ksb[hh] = s1 | (s1 << 16);
+            kza[hh] = kzb[hh] = z1 | (z1 << 16);
+          }
         }
+        uint32_t a[4];
+        a[0] = hfma2_u32(extract_pair<BITS>(kw[2 * mt][pa / PK::PO], pa % PK::PO), ksa[0], kza[0]);
+        a[1] = hfma2_u32(extract_pair<BITS>(kw[2 * mt + 1][pa / PK::PO], pa % PK::PO), ksa[1], kza[1]);
+        a[2] = hfma2_u32(extract_pair<BITS>(kw[2 * mt][pb / PK::PO], pb % PK::PO), ksb[0], kzb[0]);
+        a[3] = hfma2_u32(extract_pair<BITS>(kw[2 * mt + 1][pb / PK::PO], pb % PK::PO), ksb[1], kzb[1]);
+        mma16816(sc[mt], a, qb[kk][0], qb[kk][1]);
       }
     }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    const float mn0 = fmaxf(m0, mx0);
-    const float al0 = mn0 == -INFINITY ? 1.f : exp2f(m0 - mn0);
-    m0 = mn0;
-    float mn1 = -INFINITY, al1 = 1.f;
-    if constexpr (TWO_ROWS) {
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      mn1 = fmaxf(m1, mx1);
-      al1 = mn1 == -INFINITY ? 1.f : exp2f(m1 - mn1);
-      m1 = mn1;
+    // ---------------- online softmax: heads 2c (e even) and 2c + 1 (e odd) ----------------
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[mt][e] *= (e & 1) ? sfB : sfA;
+    if (p.mask != nullptr) {
+      const uint8_t* mrow = p.mask + b * p.mask_sb + t0;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (mrow[16 * mt + i + 8 * (e >> 1)] == 0) sc[mt][e] = -INFINITY;
     }
-    float ps0 = 0.f, ps1 = 0.f;
+    float xA = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2]));
+    float xB = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]));
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
+    for (int o = 4; o < 32; o <<= 1) {
+      xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, o));
+      xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, o));
+    }
+    const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
+    const float alA = nA == -INFINITY ? 1.f : exp2f(mA - nA), alB = nB == -INFINITY ? 1.f : exp2f(mB - nB);
+    mA = nA, mB = nB;
+    const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;  // exp2(-inf - u) = 0
+    float psA = 0.f, psB = 0.f;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        sc[nt][e] = sc[nt][e] == -INFINITY ? 0.f : exp2f(sc[nt][e] - mn0);
-        ps0 += sc[nt][e];
-        if constexpr (TWO_ROWS) {
-          sc[nt][2 + e] = sc[nt][2 + e] == -INFINITY ? 0.f : exp2f(sc[nt][2 + e] - mn1);
-          ps1 += sc[nt][2 + e];
-        }
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[mt][e] = exp2f(sc[mt][e] - ((e & 1) ? uB : uA));
+        if (e & 1) psB += sc[mt][e]; else psA += sc[mt][e];
       }
-    }
-    l0 = l0 * al0 + ps0;
-    l1 = l1 * al1 + ps1;
+    lA = lA * alA + psA;
+    lB = lB * alB + psB;
+    if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {  // a running max moved
 #pragma unroll
-    for (int n = 0; n < NV; ++n) {
-      acc[n][0] *= al0, acc[n][1] *= al0;
-      if constexpr (TWO_ROWS) acc[n][2] *= al1, acc[n][3] *= al1;
+      for (int n = 0; n < MV; ++n) acc[n][0] *= alA, acc[n][1] *= alB, acc[n][2] *= alA, acc[n][3] *= alB;
+    }
+    // P^T B-fragments: pt[kst][0] = tokens 16kst + 0..7, pt[kst][1] = tokens 16kst + 8..15
+    uint32_t pt[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      pt[mt][0] = movmatrix_trans(pack_half2(sc[mt][0], sc[mt][1]));
+      pt[mt][1] = movmatrix_trans(pack_half2(sc[mt][2], sc[mt][3]));
     }
 
-    // ---------------- P . V over 2 k-steps of 16 tokens ----------------
+    // ---------------- O^T += V^T P^T over 2 k-steps of 16 tokens ----------------
 #pragma unroll
     for (int kst = 0; kst < 2; ++kst) {
-      uint32_t pa[4];
-      pa[0] = pack_half2(sc[2 * kst][0], sc[2 * kst][1]);
-      pa[2] = pack_half2(sc[2 * kst + 1][0], sc[2 * kst + 1][1]);
-      if constexpr (TWO_ROWS) {
-        pa[1] = pack_half2(sc[2 * kst][2], sc[2 * kst][3]);
-        pa[3] = pack_half2(sc[2 * kst + 1][2], sc[2 * kst + 1][3]);
-      } else {
-        pa[1] = pa[3] = 0u;
-      }
-      const uint32_t S01 = __byte_perm(vsz[kst][0], vsz[kst][1], 0x5410u);
-      const uint32_t Z01 = __byte_perm(vsz[kst][0], vsz[kst][1], 0x7632u);
-      const uint32_t S89 = __byte_perm(vsz[kst][2], vsz[kst][3], 0x5410u);
-      const uint32_t Z89 = __byte_perm(vsz[kst][2], vsz[kst][3], 0x7632u);
+      // tokens u: 2c, 2c + 1, 2c + 8, 2c + 9 of the k-step
+      uint32_t vw[4][CM::WV], vsz[4];
 #pragma unroll
-      for (int pp = 0; pp < CM::VP; ++pp) {
-        const int qq = soff + pp;
-        const int wi = qq / PK::PO, s = qq % PK::PO;
-        const uint32_t xa = extract_pair<BITS>(vw[kst][0][wi], s), xb = extract_pair<BITS>(vw[kst][1][wi], s);
-        const uint32_t xc = extract_pair<BITS>(vw[kst][2][wi], s), xd = extract_pair<BITS>(vw[kst][3][wi], s);
-        mma16816<NA>(acc[2 * pp], pa, hfma2_u32(__byte_perm(xa, xb, 0x5410u), S01, Z01),
-                     hfma2_u32(__byte_perm(xc, xd, 0x5410u), S89, Z89));
-        mma16816<NA>(acc[2 * pp + 1], pa, hfma2_u32(__byte_perm(xa, xb, 0x7632u), S01, Z01),
-                     hfma2_u32(__byte_perm(xc, xd, 0x7632u), S89, Z89));
+      for (int u = 0; u < 4; ++u) {
+        const int tl = 16 * kst + 2 * c + (u & 1) + 8 * (u >> 1);
+        lds_words<CM::WV>(s_vc + tl * WROW + v_first_word, vw[u]);
+        const int off = tl * ngv + vj;
+        vsz[u] = (uint32_t)s_vs[off] | ((uint32_t)s_vz[off] << 16);
+      }
+      const uint32_t S01 = __byte_perm(vsz[0], vsz[1], 0x5410u), Z01 = __byte_perm(vsz[0], vsz[1], 0x7632u);
+      const uint32_t S89 = __byte_perm(vsz[2], vsz[3], 0x5410u), Z89 = __byte_perm(vsz[2], vsz[3], 0x7632u);
+#pragma unroll
+      for (int wi = 0; wi < CM::WV; ++wi) {
+        // token pairs side by side: low 16 bits of each word hold codes 0..PO-1 (member 0 of
+        // pairs), high 16 bits codes PO..2PO-1 (member 1)
+        const uint32_t X01 = __byte_perm(vw[0][wi], vw[1][wi], 0x5410u), Y01 = __byte_perm(vw[0][wi], vw[1][wi], 0x7632u);
+        const uint32_t X89 = __byte_perm(vw[2][wi], vw[3][wi], 0x5410u), Y89 = __byte_perm(vw[2][wi], vw[3][wi], 0x7632u);
+#pragma unroll
+        for (int pp = 0; pp < CM::VP; ++pp) {
+          const int qq = soff + pp;
+          if (qq / PK::PO != wi) continue;  // resolved at compile time except for soff
+          const int s = qq % PK::PO;
+          uint32_t a[4];
+          a[0] = hfma2_u32(extract_pair<BITS>(X01, s), S01, Z01);  // channel row i (member 0), tokens 2c, 2c+1
+          a[1] = hfma2_u32(extract_pair<BITS>(Y01, s), S01, Z01);  // row i + 8 (member 1)
+          a[2] = hfma2_u32(extract_pair<BITS>(X89, s), S89, Z89);  // row i, tokens 2c+8, 2c+9
+          a[3] = hfma2_u32(extract_pair<BITS>(Y89, s), S89, Z89);
+          mma16816(acc[pp], a, pt[kst][0], pt[kst][1]);
+        }
       }
     }
+    __syncwarp();  // every lane has read this stage: the next issue() may overwrite it
   }
-  // ---- reduce l over the lane quad, write this warp's partial ----
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  cp_async_wait<0>();  // only empty groups remain; drain before the ring is reused
+  __syncwarp();
+  // ---- reduce l over the 8 lanes sharing c, write this warp's partial ----
 #pragma unroll
-  for (int nt = 0; nt < NV; ++nt) {
+  for (int o = 4; o < 32; o <<= 1) {
+    lA += __shfl_xor_sync(0xffffffffu, lA, o);
+    lB += __shfl_xor_sync(0xffffffffu, lB, o);
+  }
 #pragma unroll
-    for (int e = 0; e < NA; ++e) {
-      const int n = 2 * c + (e & 1);  // column of the n-tile = lane row n's channel
-      const int hrow = (e >> 1) ? h1 : h0;
-      if (hrow >= g) continue;
-      const int pair = n * CM::VP + nt / 2;
-      const int ch = (pair / PK::PO) * PK::CPW + pair % PK::PO + (nt % 2) * PK::PO;
-      slot[hrow * (D + 2) + 2 + ch] = acc[nt][e];
+  for (int pp = 0; pp < MV; ++pp) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int head = 2 * c + (e & 1);
+      if (head >= g) continue;
+      const int pair = i * CM::VP + pp;
+      const int ch = (pair / PK::PO) * PK::CPW + pair % PK::PO + (e >> 1) * PK::PO;
+      slot[head * (D + 2) + 2 + ch] = acc[pp][e];
     }
   }
-  if (c == 0) {
-    if (h0 < g) slot[h0 * (D + 2)] = m0, slot[h0 * (D + 2) + 1] = l0;
-    if (TWO_ROWS && h1 < g) slot[h1 * (D + 2)] = m1, slot[h1 * (D + 2) + 1] = l1;
+  if (i == 0) {
+    if (2 * c < g) slot[(2 * c) * (D + 2)] = mA, slot[(2 * c) * (D + 2) + 1] = lA;
+    if (2 * c + 1 < g) slot[(2 * c + 1) * (D + 2)] = mB, slot[(2 * c + 1) * (D + 2) + 1] = lB;
   }
 }
 
@@ -374,18 +453,23 @@ __device__ __forceinline__ void load_token(const QuantKV& s, int64_t b, int64_t 
 
 template <typename DType, int D, int MAXG>
 __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
-                             int64_t t_end, int warp, float* slot, const float* s_q) {
+                             int64_t t_end, float* slot, const float* s_q) {
+  // Continues the warp's running (m, l, acc) from `slot` over tokens [t_begin, t_end), one
+  // token per step, and writes it back.
   constexpr int EPL = D / 32;
   const int lane = threadIdx.x % 32;
   float m[MAXG], l[MAXG], acc[MAXG][EPL];
 #pragma unroll
   for (int j = 0; j < MAXG; ++j) {
-    m[j] = -INFINITY, l[j] = 0.f;
+    if (j >= g) break;
+    const float* row = slot + j * (D + 2);
+    m[j] = row[0], l[j] = row[1];
 #pragma unroll
-    for (int e = 0; e < EPL; ++e) acc[j][e] = 0.f;
+    for (int e = 0; e < EPL; ++e) acc[j][e] = row[2 + lane * EPL + e];
   }
+  __syncwarp();
   const float sl = p.scale * kLog2e;
-  for (int64_t t = t_begin + warp; t < t_end; t += kWarps) {
+  for (int64_t t = t_begin; t < t_end; ++t) {
     if (p.mask != nullptr && p.mask[b * p.mask_sb + t] == 0) continue;
     float kx[EPL], vx[EPL];
     load_token<DType, D>(p.k, b, h, t, lane, kx);
@@ -415,67 +499,99 @@ __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, in
     for (int e = 0; e < EPL; ++e) row[2 + lane * EPL + e] = acc[j][e];
     if (lane == 0) row[0] = m[j], row[1] = l[j];
   }
+  __syncwarp();
 }
 
-/// \brief How the token axis is split over CTAs (computed on the host).
+/// \brief How the token axis is split over CTAs (computed on the host).  Every CTA of a
+/// (batch, KV head) row runs the mma path over its chunk of [0, t_main), then the generic path
+/// over its share of the tail [t_main, T): tail chunk k of `tail_chunk` tokens goes to CTA
+/// k % splits, warp (k / splits) % kWarps, so the residual window is spread over the row.
 struct SplitPlan {
   int64_t t_main = 0;      // tokens [0, t_main) go through the mma path
-  int ns_main = 0;         // CTAs per (b, h) on the mma path
-  int64_t chunk_main = 0;  // tokens per mma CTA (multiple of kTile)
-  int ns_tail = 0;         // CTAs per (b, h) on the generic path
-  int64_t chunk_tail = 0;
-  KVQ_HOST_DEVICE int splits() const { return ns_main + ns_tail; }
+  int64_t chunk_main = 0;  // tokens per CTA on the mma path (multiple of kWarps * kTile)
+  int64_t tail_chunk = 1;  // tail tokens per (CTA, warp) chunk
+  int ns = 1;              // CTAs per (b, h)
+  KVQ_HOST_DEVICE int splits() const { return ns; }
 };
 
-template <typename DType, int D, int BITS, bool KPC, bool TWO_ROWS, bool MMA>
-__global__ void __launch_bounds__(kWarps * 32, D <= 128 ? 3 : 1)
+/// Shared memory: q as floats [g][D] (generic path), then per warp max(ring, slot) bytes
+/// (the mma ring; the warp's (m, l, acc) slot [g][D + 2] floats reuses its start).
+template <int D, int BITS, bool KPC, bool MMA>
+KVQ_HOST_DEVICE size_t warp_region_bytes(int g) {
+  const size_t slot = sizeof(float) * (size_t)g * (D + 2);
+  size_t r = slot;
+  if constexpr (MMA) r = TileLayout<D, BITS, KPC>::RING > slot ? TileLayout<D, BITS, KPC>::RING : slot;
+  return (r + 15) / 16 * 16;
+}
+template <int D, int BITS, bool KPC, bool MMA>
+inline size_t decode_attention_smem_bytes(int g) {
+  return (sizeof(float) * (size_t)g * D + 15) / 16 * 16 + kWarps * warp_region_bytes<D, BITS, KPC, MMA>(g);
+}
+
+// Resident CTAs per SM the D <= 128 kernels are compiled for: 3 caps registers at 168 (the
+// 2-bit D = 128 mma kernel wants 180 and spills ~56 bytes); 2 gives it 255 but 8 warps/SM.
+#ifndef KVQ_MINB
+#define KVQ_MINB 3
+#endif
+template <typename DType, int D, int BITS, bool KPC, bool MMA>
+__global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
     DecodeAttentionKernel(DecodeAttnParams p, SplitPlan plan) {
-  extern __shared__ float smem[];
+  extern __shared__ __align__(16) char smem[];
   const int split = blockIdx.x;
   const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
   const int g = (int)(p.Hq / p.H);
-  const int warp = threadIdx.x / 32;
-  float* s_q = smem;                                 // [g][D]
-  float* slots = smem + g * D;                       // [kWarps][g][D + 2]
-  float* slot = slots + warp * g * (D + 2);
-  const bool on_mma = split < plan.ns_main;
-  int64_t t_begin, t_end;
-  if (on_mma) {
-    t_begin = split * plan.chunk_main;
-    t_end = t_begin + plan.chunk_main < plan.t_main ? t_begin + plan.chunk_main : plan.t_main;
-  } else {
-    t_begin = plan.t_main + (split - plan.ns_main) * plan.chunk_tail;
-    t_end = t_begin + plan.chunk_tail < p.T ? t_begin + plan.chunk_tail : p.T;
-  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
+  const size_t qbytes = (sizeof(float) * (size_t)g * D + 15) / 16 * 16;
+  const size_t wbytes = warp_region_bytes<D, BITS, KPC, MMA>(g);
+  char* region = smem + qbytes + warp * wbytes;
+  float* slot = reinterpret_cast<float*>(region);
+  const int64_t t_begin = split * plan.chunk_main;
+  const int64_t t_end = t_begin + plan.chunk_main < plan.t_main ? t_begin + plan.chunk_main : plan.t_main;
+  bool have_mma = false;
   if constexpr (MMA) {
-    if (on_mma) {
-      warp_mma<DType, D, BITS, KPC, TWO_ROWS>(p, b, h, g, t_begin, t_end, warp, slot);
+    if (t_begin < t_end) {
+      warp_mma<DType, D, BITS, KPC>(p, b, h, g, t_begin, t_end, warp, slot, region);
+      have_mma = true;
     }
   }
-  if (!(MMA && on_mma)) {
+  if (!have_mma) {
+    for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
+    __syncwarp();
+  }
+  // ---- this warp's share of the tail [t_main, T) ----
+  const int64_t tail = p.T - plan.t_main;
+  if (tail > 0) {
     const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
     for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(q[x]);
     __syncthreads();
-    // the mma path only takes g <= 8, so its kernels need 8 generic head slots
-    warp_generic<DType, D, MMA ? 8 : kMaxGroup>(p, b, h, g, t_begin, t_end, warp, slot, s_q);
+    const int64_t nchunks = (tail + plan.tail_chunk - 1) / plan.tail_chunk;
+    const int64_t per_round = (int64_t)plan.ns * kWarps;
+    for (int64_t k = split + (int64_t)plan.ns * warp; k < nchunks; k += per_round) {
+      const int64_t a = plan.t_main + k * plan.tail_chunk;
+      const int64_t e = a + plan.tail_chunk < p.T ? a + plan.tail_chunk : p.T;
+      // the mma instantiations only take g <= 8
+      warp_generic<DType, D, MMA ? 8 : kMaxGroup>(p, b, h, g, a, e, slot, s_q);
+    }
   }
   __syncthreads();
   // ---- merge the warps and write the split partial ----
   const int64_t S = plan.splits();
   for (int x = threadIdx.x; x < g * (D + 2); x += blockDim.x) {
     const int j = x / (D + 2), col = x % (D + 2);
+    auto wslot = [&](int w) { return reinterpret_cast<const float*>(smem + qbytes + w * wbytes) + j * (D + 2); };
     float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, slots[(w * g + j) * (D + 2)]);
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wslot(w)[0]);
     float out = 0.f;
     if (col == 0) {
       out = M;
     } else {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
-        const float mw = slots[(w * g + j) * (D + 2)];
+        const float mw = wslot(w)[0];
         const float wgt = (M == -INFINITY) ? 0.f : exp2f(mw - M);
-        out += wgt * slots[(w * g + j) * (D + 2) + col];
+        out += wgt * wslot(w)[col];
       }
     }
     const int64_t row = (b * p.Hq + h * g + j) * S + split;
@@ -506,61 +622,74 @@ __global__ void DecodeAttentionCombineKernel(DecodeAttnParams p, int splits) {
   }
 }
 
-/// \brief Can the tensor-core path read this cache layer?
+inline bool aligned16(const void* ptr, int64_t sb, int64_t sh, int64_t elem) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && (sb * elem) % 16 == 0 && (sh * elem) % 16 == 0;
+}
+
+/// \brief Can the tensor-core path read this cache layer?  (Formats it covers, and 16-byte
+/// aligned rows for its cp.async tile copies.)
 inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
   const int64_t D = p.D;
   if (!(D == 64 || D == 128 || D == 256)) return false;
   if (p.k.bits != p.v.bits) return false;
-  if (p.Hq / p.H > 8) return false;  // one mma row block (TWO_ROWS = false instantiations)
+  if (p.Hq / p.H > 8) return false;  // the query heads of a KV head are the N = 8 mma columns
   const bool k_ok = p.k.per_channel ? (p.k.group % kTile == 0) : (p.k.group >= D / 4 && D % p.k.group == 0);
   const bool v_ok = !p.v.per_channel && p.v.group >= D / 8 && D % p.v.group == 0;
-  return k_ok && v_ok;
+  if (!(k_ok && v_ok)) return false;
+  for (const QuantKV* s : {&p.k, &p.v}) {
+    if (s->Tq == 0) continue;
+    if (!aligned16(s->codes, s->codes_sb, s->codes_sh, 4) || !aligned16(s->scale, s->scale_sb, s->scale_sh, 2) ||
+        !aligned16(s->zero, s->scale_sb, s->scale_sh, 2))
+      return false;
+  }
+  return true;
 }
 
-inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms) {
+/// \brief Split plan.  `ctas_per_sm`: resident CTAs per SM of the kernel that will run.  The
+/// mma path is sized to whole waves: ns minimises ceil(ns * BH / slots) / ns.
+inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, int ctas_per_sm) {
   SplitPlan plan;
   const int64_t BH = p.B * p.H;
-  const int64_t target = 4 * (int64_t)num_sms;
-  const int64_t want = (target + BH - 1) / BH;
+  const int64_t slots = (int64_t)num_sms * (ctas_per_sm > 0 ? ctas_per_sm : 1);
   if (decode_attention_mma_ok(p)) {
     int64_t tq = p.k.Tq < p.v.Tq ? p.k.Tq : p.v.Tq;
     if (tq > p.T) tq = p.T;
     plan.t_main = (tq / kTile) * kTile;
   }
+  constexpr int64_t kStep = kWarps * kTile;  // tokens per CTA step (one tile per warp)
   if (plan.t_main > 0) {
-    int64_t ns = want;
-    const int64_t max_ns = (plan.t_main + 127) / 128;
-    if (ns > max_ns) ns = max_ns;
-    if (ns < 1) ns = 1;
-    int64_t chunk = (plan.t_main + ns - 1) / ns;
-    chunk = (chunk + kTile - 1) / kTile * kTile;
-    plan.chunk_main = chunk;
-    plan.ns_main = (int)((plan.t_main + chunk - 1) / chunk);
+    const int64_t steps = (plan.t_main + kStep - 1) / kStep;
+    const int64_t max_ns = (steps + 1) / 2 > 0 ? (steps + 1) / 2 : 1;  // >= 2 tiles per warp
+    int64_t best = 1;
+    double best_cost = 1e300;
+    for (int64_t ns = 1; ns <= max_ns && ns <= 4 * slots; ++ns) {
+      const int64_t per = (steps + ns - 1) / ns;              // steps per CTA
+      const int64_t waves = (ns * BH + slots - 1) / slots;
+      const double cost = (double)waves * (double)per;
+      if (cost < best_cost * 0.999) best_cost = cost, best = ns;
+    }
+    const int64_t per = (steps + best - 1) / best;
+    plan.chunk_main = per * kStep;
+    plan.ns = (int)((plan.t_main + plan.chunk_main - 1) / plan.chunk_main);
+  } else {
+    const int64_t want = (4 * (int64_t)num_sms + BH - 1) / BH;
+    const int64_t max_ns = (p.T + 63) / 64;
+    plan.ns = (int)(want < max_ns ? (want > 0 ? want : 1) : (max_ns > 0 ? max_ns : 1));
   }
   const int64_t tail = p.T - plan.t_main;
   if (tail > 0) {
-    // The generic path walks tokens one at a time per warp: keep its chunks short (32
-    // tokens = 8 per warp) so the residual window does not serialise the launch.
-    const int64_t tail_chunk = plan.t_main > 0 ? 32 : 64;
-    int64_t ns = plan.t_main > 0 ? (tail + tail_chunk - 1) / tail_chunk : want;
-    const int64_t max_ns = (tail + tail_chunk - 1) / tail_chunk;
-    if (ns > max_ns) ns = max_ns;
-    if (ns < 1) ns = 1;
-    plan.chunk_tail = (tail + ns - 1) / ns;
-    plan.ns_tail = (int)((tail + plan.chunk_tail - 1) / plan.chunk_tail);
+    const int64_t workers = (int64_t)plan.ns * kWarps;
+    int64_t tc = (tail + workers - 1) / workers;
+    plan.tail_chunk = tc < 8 ? 8 : tc;
   }
   return plan;
 }
 
-inline size_t decode_attention_smem_bytes(const DecodeAttnParams& p) {
-  const int64_t g = p.Hq / p.H;
-  return sizeof(float) * (size_t)(g * p.D + kWarps * g * (p.D + 2));
-}
-
-template <typename DType, int D, int BITS, bool KPC, bool TWO_ROWS, bool MMA>
+template <typename DType, int D, int BITS, bool KPC, bool MMA>
 cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& plan, cudaStream_t stream) {
-  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, TWO_ROWS, MMA>;
-  const size_t smem = decode_attention_smem_bytes(p);
+  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA>;
+  const int g = (int)(p.Hq / p.H);
+  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA>(g);
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
@@ -571,6 +700,22 @@ cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& pl
   if (e != cudaSuccess) return e;
   DecodeAttentionCombineKernel<DType, D><<<(unsigned)(p.B * p.Hq), D < 128 ? D : 128, 0, stream>>>(p, plan.splits());
   return cudaGetLastError();
+}
+
+/// \brief Resident CTAs per SM of an instantiation (0 on error), for the split plan.
+template <typename DType, int D, int BITS, bool KPC, bool MMA>
+int DecodeAttentionOccupancy(int g) {
+  static int cache[kMaxGroup + 1] = {};  // per instantiation and g (benign race: same value)
+  if (g >= 1 && g <= kMaxGroup && cache[g] > 0) return cache[g];
+  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA>;
+  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA>(g);
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
+    return 0;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem) != cudaSuccess) return 0;
+  if (g >= 1 && g <= kMaxGroup) cache[g] = n;
+  return n;
 }
 
 }  // namespace attention
