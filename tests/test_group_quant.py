@@ -199,6 +199,25 @@ def test_cuda_equals_cpu(dtype, bits, per_channel, G):
     torch.testing.assert_close(o2.cpu().float(), o1.float(), rtol=2e-3, atol=1e-5)
 
 
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 17, 1025])
+@pytest.mark.parametrize("D", [32, 64, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_per_token_odd_shapes_equal_cpu(T, D, dtype, bits):
+    """Per-token kernels (chunk-per-lane for G % 32 == 0, warp-per-row otherwise) on row counts
+    that leave a partial last warp, every head dim, G = 32, 64 and the whole row."""
+    x = make_kv(3, 1, T, D, dtype)
+    for G in sorted({32, 64, D} & set(range(1, D + 1))):
+        if D % G:
+            continue
+        c1, s1, z1 = kvq.quantize(x, bits, G, False)
+        c2, s2, z2 = kvq.quantize(x.cuda(), bits, G, False)
+        assert torch.equal(s1, s2.cpu()) and torch.equal(z1, z2.cpu()), G
+        d = (unpack_ref(c1, bits) - unpack_ref(c2.cpu(), bits)).abs()
+        assert d.max() <= 1 and (d > 0).float().mean() < 1e-3, G
+
+
 # ----------------------------------------------------------------------------- opcheck
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):

@@ -138,6 +138,76 @@ __global__ void GroupQuantizePerTokenKernel(GroupQuantParams p) {
 }
 
 // ---------------------------------------------------------------------------
+// Per-token quantization for G a multiple of 32: one lane per 32-channel chunk of a row.
+// A warp covers 32 consecutive chunks (2 KB of fp16, contiguous); a lane reduces its chunk
+// in registers, G / 32 lanes combine a group with xor shuffles, and each lane packs its 32
+// codes into BITS whole words (one vector store).  Versus the warp-per-row kernel this drops
+// the per-element shuffles and the redundant per-lane scale computation (8 lanes per group
+// at G = 32, D = 128).  Same make_qparams / quant_code: bit-identical codes and scales.
+// ---------------------------------------------------------------------------
+template <typename DType, int BITS>
+__global__ void __launch_bounds__(256) GroupQuantizePerTokenChunkKernel(GroupQuantParams p) {
+  constexpr int CH = 32;
+  constexpr int VE = 16 / (int)sizeof(DType);  // elements per 16-byte load
+  constexpr float MAXQ = (float)((1 << BITS) - 1);
+  constexpr int CPW = 32 / BITS;  // codes per word
+  const int lane = threadIdx.x % 32;
+  const int64_t items = p.N * p.T * (p.D / CH);
+  const int lpg = (int)(p.group / CH);  // lanes per group: 1, 2, 4 or 8
+  const DType* x = static_cast<const DType*>(p.x);
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  int32_t status = 0;
+  for (int64_t base = (int64_t)blockIdx.x * blockDim.x + threadIdx.x - lane; base < items; base += stride) {
+    const int64_t it = base + lane;
+    const bool valid = it < items;  // groups never straddle the end (items, G/32 | D/32)
+    float v[CH];
+    if (valid) {
+      const uint4* src = reinterpret_cast<const uint4*>(x + it * CH);
+#pragma unroll
+      for (int u = 0; u < CH / VE; ++u) {
+        const uint4 raw = src[u];
+        const DType* e = reinterpret_cast<const DType*>(&raw);
+#pragma unroll
+        for (int k = 0; k < VE; ++k) v[u * VE + k] = to_float(e[k]);
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < CH; ++k) v[k] = 0.f;
+    }
+    float mn = v[0], mx = v[0];
+#pragma unroll
+    for (int k = 0; k < CH; ++k) {
+      if (p.status) status |= value_status(v[k]);
+      mn = fminf(mn, v[k]);
+      mx = fmaxf(mx, v[k]);
+    }
+    for (int o = 1; o < lpg; o <<= 1) {
+      mn = fminf(mn, __shfl_xor_sync(kFullMask, mn, o));
+      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
+    }
+    if (!valid) continue;
+    const QParams q = make_qparams(mn, mx, BITS);
+    if (lane % lpg == 0) {  // it % lpg == 0: the group's first chunk
+      p.scale[it / lpg] = q.s16;
+      p.zero[it / lpg] = q.z16;
+    }
+    uint32_t w[BITS];
+#pragma unroll
+    for (int k = 0; k < BITS; ++k) w[k] = 0u;
+#pragma unroll
+    for (int k = 0; k < CH; ++k) w[k / CPW] |= quant_code(v[k], q.zero, q.inv, MAXQ) << ((k % CPW) * BITS);
+    int32_t* dst = p.codes + it * BITS;
+    if constexpr (BITS == 2) {
+      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < BITS; k += 4) *reinterpret_cast<uint4*>(dst + k) = make_uint4(w[k], w[k + 1], w[k + 2], w[k + 3]);
+    }
+  }
+  report_status(p.status, status);
+}
+
+// ---------------------------------------------------------------------------
 // Per-channel quantization: one block per (matrix n, group of G tokens).  Pass 1 reduces
 // min/max per channel over the G tokens (warps stride over tokens, then shared memory);
 // pass 2 re-reads the tile (L1/L2-resident for KIVI group sizes) and packs.
@@ -267,6 +337,13 @@ cudaError_t GroupQuantize(const GroupQuantParams& p, cudaStream_t stream) {
     const int64_t blocks = p.N * (p.T / p.group);
     GroupQuantizePerChannelKernel<DType, EPL, BITS, WARPS>
         <<<(unsigned)blocks, WARPS * 32, 0, stream>>>(p);
+  } else if (p.group % 32 == 0) {
+    constexpr int THREADS = 256;
+    const int64_t items = p.N * p.T * (p.D / 32);
+    int64_t blocks = (items + THREADS - 1) / THREADS;
+    const int64_t cap = (int64_t)num_sms() * 8;
+    if (blocks > cap) blocks = cap;
+    GroupQuantizePerTokenChunkKernel<DType, BITS><<<(unsigned)blocks, THREADS, 0, stream>>>(p);
   } else {
     constexpr int ROWS = (EPL >= 8) ? 2 : 4, THREADS = 256;
     const int64_t warps_needed = (p.N * p.T + ROWS - 1) / ROWS;
