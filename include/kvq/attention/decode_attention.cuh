@@ -3,16 +3,17 @@
 // per CTA row), each warp runs its own online softmax over 32-token tiles, the CTA merges
 // its warps, and a small combine kernel merges the splits.
 //
-// Tensor-core path (tokens quantized in both K and V, the bulk of a long cache):
-//   scores  S[h, t]  = mma(A = q / max|q| (heads x channels), B = K^T (channels x tokens))
-//   output  O[h, d] += mma(A = P (heads x tokens), B = V (tokens x channels))
-// K and V B-fragments are built in registers straight from the packed codes: one shift +
-// LOP3 turns two codes of a 32-bit word into an fp16x2 pair (magic 0x6400 trick), one
-// HFMA2 applies scale and zero.  Because the QK reduction runs over channels and the PV
-// reduction over tokens, each thread may take whatever channel pairs its words hold; the
-// q fragment and the output channel map follow the same assignment (see ChannelMap).
-// All query heads sharing a KV head (GQA) are the M rows of one mma: each KV tile is read
-// once for all of them.
+// Tensor-core path (tokens quantized in both K and V, the bulk of a long cache), in
+// transposed form so that the <= 8 query heads of a KV head are the N = 8 mma columns:
+//   scores  S^T[t, h]  = mma(A = K (tokens x channels), B = (q / max|q|)^T (channels x heads))
+//   output  O^T[d, h] += mma(A = V^T (channels x tokens), B = P^T (tokens x heads))
+// K and V A-fragments are built in registers straight from the packed codes: one shift +
+// LOP3 turns two codes of a 32-bit word into an fp16x2 pair (magic 0x6400 trick), HADD2
+// removes the bias, HFMA2 applies scale and zero.  Because the QK reduction runs over
+// channels and the PV reduction over tokens, each thread may take whatever channel pairs its
+// words hold; the q fragment and the output channel map follow the same assignment (see
+// ChannelMap).  movmatrix.trans turns the fp16 scores into the P^T operand.  Each warp streams
+// its tiles (codes, scales, zeros) through a cp.async ring in shared memory.
 // Generic path (residual tokens, the ragged edge, formats the mma path does not cover):
 // one token per warp step, lanes over channels, fp32.
 #pragma once
@@ -67,22 +68,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int N>
-__device__ __forceinline__ void load_words(const int32_t* src, uint32_t (&w)[N]) {
-  if constexpr (N % 4 == 0) {
-#pragma unroll
-    for (int i = 0; i < N / 4; ++i) {
-      uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + i);
-      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
-    }
-  } else if constexpr (N == 2) {
-    uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-    w[0] = v.x, w[1] = v.y;
-  } else {
-    w[0] = (uint32_t)__ldg(src);
-  }
-}
-
 /// N consecutive 32-bit words from shared memory (16/8-byte vector loads where N allows).
 template <int N>
 __device__ __forceinline__ void lds_words(const int32_t* src, uint32_t (&w)[N]) {
@@ -100,9 +85,6 @@ __device__ __forceinline__ void lds_words(const int32_t* src, uint32_t (&w)[N]) 
   }
 }
 
-__device__ __forceinline__ uint32_t ldg_u16(const uint16_t* p) {
-  return (uint32_t)__ldg(reinterpret_cast<const unsigned short*>(p));
-}
 
 // ---------------------------------------------------------------------------
 // Per-warp shared-memory pipeline of the mma path.  Each warp owns a ring of kStages<BITS, D>
