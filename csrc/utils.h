@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "kvq/common/dispatch.h"
+#include "kvq/common/exception.h"
 
 // Error messages are assembled by kvq::msg (integers via std::to_string, shapes, dtypes and
 // devices by hand) and handed to TORCH_CHECK as one string: no std::ostream number
@@ -33,31 +34,28 @@
 namespace kvq {
 
 namespace detail {
-inline void put(std::string& s, const char* x) { s += x; }
-inline void put(std::string& s, const std::string& x) { s += x; }
-inline void put(std::string& s, char x) { s += x; }
-inline void put(std::string& s, bool x) { s += x ? "true" : "false"; }
-template <typename T, typename std::enable_if<std::is_integral<T>::value, int>::type = 0>
-inline void put(std::string& s, T x) { s += std::to_string(x); }
-inline void put(std::string& s, double x) { s += std::to_string(x); }
-inline void put(std::string& s, at::ScalarType x) { s += c10::toString(x); }
-inline void put(std::string& s, const c10::Device& x) {
-  s += c10::DeviceTypeName(x.type(), /*lower_case=*/true);
-  if (x.has_index()) s += ":" + std::to_string((int)x.index());
+// kvq::cat (kvq/common/exception.h) joins strings and numbers; these turn the torch-side
+// types of a message into strings first.
+template <typename T>
+inline const T& piece(const T& x) { return x; }
+inline const char* piece(bool x) { return x ? "true" : "false"; }
+inline std::string piece(char x) { return std::string(1, x); }
+inline const char* piece(at::ScalarType x) { return c10::toString(x); }
+inline std::string piece(const c10::Device& x) {
+  std::string s = c10::DeviceTypeName(x.type(), /*lower_case=*/true);
+  return x.has_index() ? s + ":" + std::to_string((int)x.index()) : s;
 }
-inline void put(std::string& s, at::IntArrayRef x) {
-  s += "[";
+inline std::string piece(at::IntArrayRef x) {
+  std::string s = "[";
   for (size_t i = 0; i < x.size(); ++i) s += (i ? ", " : "") + std::to_string(x[i]);
-  s += "]";
+  return s + "]";
 }
 }  // namespace detail
 
-/// \brief Concatenate message parts (strings, integers, dtypes, devices, shapes).
+/// \brief Concatenate message parts (strings, numbers, bools, dtypes, devices, shapes).
 template <typename... Args>
 std::string msg(const Args&... args) {
-  std::string s;
-  (detail::put(s, args), ...);
-  return s;
+  return ::kvq::cat(detail::piece(args)...);
 }
 
 inline DTypeId dtype_id(at::ScalarType t) {
