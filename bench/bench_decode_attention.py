@@ -21,9 +21,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kvquant_ext as kvq  # noqa: E402
+from kvquant_ext.attention import uses_fused_kernel  # noqa: E402
 from utils import bench_gpu_time, copy_bandwidth, table  # noqa: E402
 
-DEFAULT_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "flexgen-4", "gear-2", "hqmq-3.79"]
+DEFAULT_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "flexgen-4", "gear-2", "gearl-2", "outlier-2",
+                   "hqmq-3.79", "hqmq-5"]
 
 
 def main(argv=None):
@@ -61,15 +63,16 @@ def main(argv=None):
                          f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
             print(rows[-1], flush=True)
             for name in presets:
-                fused = isinstance(kvq.get_config(name), kvq.GroupQuantConfig)
-                if not fused and fp16_bytes > 4e9:
-                    continue  # no fused kernel yet: its dequantize path would need ~4x FP16 memory
                 cache = kvq.KVCache(name, check_finite=False)
                 try:
                     cache.update(k, v, 0)
                 except Exception as e:  # pragma: no cover - report and go on
                     print(f"skip {name}: {e}")
                     continue
+                fused = uses_fused_kernel(cache, 0, q)
+                if not fused and fp16_bytes > 4e9:
+                    del cache
+                    continue  # no fused kernel: its dequantize path would need ~4x FP16 memory
                 nbytes = cache.nbytes
                 label = "fused" if fused else "decode_attention (dequantizes: no fused kernel yet)"
                 run = lambda: kvq.decode_attention(q, cache, 0)  # noqa: E731

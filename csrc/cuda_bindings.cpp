@@ -127,6 +127,16 @@ at::Tensor gear_decompress_cuda(const at::Tensor& codes, const at::Tensor& scale
 // ---- end GEAR ----
 
 
+static at::Tensor run_decode_attention_cuda(DecodeAttentionCall& c, const char* op) {
+  auto& p = c.params;
+  p.splits = attention::decode_attention_splits(p, dtype_id(c.q.scalar_type()));
+  c.ws = at::empty({p.B * p.Hq * p.splits * (p.D + 2)}, c.q.options().dtype(at::kFloat));
+  p.ws = c.ws.data_ptr<float>();
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL(op, attention::decode_attention_cuda(p, dtype_id(c.q.scalar_type()), stream));
+  return c.out;
+}
+
 at::Tensor decode_attention_gq_cuda(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
                                     const at::Tensor& k_zero, const at::Tensor& k_residual,
                                     const at::Tensor& v_codes, const at::Tensor& v_scale,
@@ -137,13 +147,15 @@ at::Tensor decode_attention_gq_cuda(const at::Tensor& q, const at::Tensor& k_cod
   DecodeAttentionCall c = prepare_decode_attention(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale,
                                                    v_zero, v_residual, mask, k_bits, k_per_channel, v_bits,
                                                    v_per_channel, scale);
-  auto& p = c.params;
-  p.splits = attention::decode_attention_splits(p, dtype_id(c.q.scalar_type()));
-  c.ws = at::empty({p.B * p.Hq * p.splits * (p.D + 2)}, c.q.options().dtype(at::kFloat));
-  p.ws = c.ws.data_ptr<float>();
-  auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  KVQ_CUDA_CALL("decode_attention_gq", attention::decode_attention_cuda(p, dtype_id(c.q.scalar_type()), stream));
-  return c.out;
+  return run_decode_attention_cuda(c, "decode_attention_gq");
+}
+
+at::Tensor decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS) {
+  c10::cuda::CUDAGuard guard(q.device());
+  DecodeAttentionCall c = prepare_decode_attention_gear_cuda(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale,
+                                                             v_zero, v_residual, mask, bits, k_gear, v_gear,
+                                                             prefill_tokens, block_tokens, scale);
+  return run_decode_attention_cuda(c, "decode_attention_gear");
 }
 
 }  // namespace kvq
@@ -163,5 +175,6 @@ TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
   // ---- end HQMQ CUDA impls ----
   // ---- decode attention CUDA impls ----
   m.impl("decode_attention_gq", &kvq::decode_attention_gq_cuda);
+  m.impl("decode_attention_gear", &kvq::decode_attention_gear_cuda);
   // ---- end decode attention CUDA impls ----
 }

@@ -111,15 +111,128 @@ DecodeAttentionCall prepare_decode_attention(const at::Tensor& q_in, const at::T
   return c;
 }
 
-at::Tensor decode_attention_gq_cpu(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
-                                   const at::Tensor& k_zero, const at::Tensor& k_residual,
-                                   const at::Tensor& v_codes, const at::Tensor& v_scale,
-                                   const at::Tensor& v_zero, const at::Tensor& v_residual,
-                                   const std::optional<at::Tensor>& mask, int64_t k_bits, bool k_per_channel,
-                                   int64_t v_bits, bool v_per_channel, double scale) {
-  DecodeAttentionCall c = prepare_decode_attention(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale,
-                                                   v_zero, v_residual, mask, k_bits, k_per_channel, v_bits,
-                                                   v_per_channel, scale);
+// ---------------------------------------------------------------------------------------------
+// kvq.decode_attention_gear: the same op over a GEAR layer (KIVI backbone of all blocks
+// concatenated + per-segment low-rank factors and outliers; layout in decode_attention.h).
+// ---------------------------------------------------------------------------------------------
+static const char* kGearOp = "decode_attention_gear";
+
+static int index_bytes(const at::Tensor& t, const std::string& name) {
+  switch (t.scalar_type()) {
+    case at::kByte: return 1;
+    case at::kShort: return 2;
+    case at::kInt: return 4;
+    default:
+      KVQ_CHECK_ARG(false, kGearOp, name.c_str(), "must be uint8, int16 or int32, got ", t.scalar_type());
+  }
+  return 0;
+}
+
+/// Parse one role's list [A0, B0, ov0, oi0, A1, B1, ov1, oi1] (empty tensors where absent).
+static attention::GearKV parse_gear_role(const char* role, const std::vector<at::Tensor>& L, const at::Tensor& q,
+                                         bool keys, int64_t B, int64_t H, int64_t D, int64_t T0, int64_t T1,
+                                         int64_t nb, bool check_indices) {
+  const std::string r(role);
+  KVQ_CHECK_ARG(L.size() == 8, kGearOp, (r + "_gear").c_str(), "must hold 8 tensors [A0, B0, ov0, oi0, A1, B1, ov1, oi1], got ",
+                (int64_t)L.size());
+  attention::GearKV g;
+  const int64_t nblk = nb > 0 ? T1 / nb : 0;
+  for (int sg = 0; sg < 2; ++sg) {
+    const std::string sfx = std::to_string(sg);
+    const at::Tensor &A = L[4 * sg], &Bf = L[4 * sg + 1], &ov = L[4 * sg + 2], &oi = L[4 * sg + 3];
+    const std::string an = r + "_gear A" + sfx, bn = r + "_gear B" + sfx, vn = r + "_gear ov" + sfx,
+                      in = r + "_gear oi" + sfx;
+    const int64_t tseg = sg == 0 ? T0 : T1;
+    attention::GearSeg& s = g.seg[sg];
+    for (const at::Tensor* t : {&A, &Bf, &ov, &oi})
+      if (t->numel() > 0 || t->dim() > 1) CHECK_SAME_DEVICE(kGearOp, q, "q", *t, (r + "_gear").c_str());
+    // low rank: A [B, H, tseg, r], B [B, H, D, r] (segment 0) or [B, H, nblk, D, r]
+    if (A.numel() > 0 && tseg > 0) {
+      CHECK_DTYPE(kGearOp, A, an.c_str(), at::kHalf);
+      CHECK_DTYPE(kGearOp, Bf, bn.c_str(), at::kHalf);
+      CHECK_DIM(kGearOp, A, an.c_str(), 4);
+      const int64_t rk = A.size(3);
+      KVQ_CHECK_ARG(rk >= 1 && rk <= 8, kGearOp, an.c_str(), "must have rank 1..8, got ", rk);
+      KVQ_CHECK_ARG(A.size(0) == B && A.size(1) == H && A.size(2) == tseg && A.stride(3) == 1 && A.stride(2) == rk,
+                    kGearOp, an.c_str(), "must be [B=", B, ", H=", H, ", T=", tseg, ", r] with contiguous rows, got ",
+                    A.sizes());
+      if (sg == 0) {
+        CHECK_DIM(kGearOp, Bf, bn.c_str(), 4);
+        KVQ_CHECK_ARG(Bf.size(0) == B && Bf.size(1) == H && Bf.size(2) == D && Bf.size(3) == rk && Bf.stride(3) == 1 &&
+                          Bf.stride(2) == rk,
+                      kGearOp, bn.c_str(), "must be [B, H, D=", D, ", r=", rk, "] with contiguous rows, got ", Bf.sizes());
+      } else {
+        CHECK_DIM(kGearOp, Bf, bn.c_str(), 5);
+        KVQ_CHECK_ARG(Bf.size(0) == B && Bf.size(1) == H && Bf.size(2) == nblk && Bf.size(3) == D && Bf.size(4) == rk &&
+                          Bf.stride(4) == 1 && Bf.stride(3) == rk && Bf.stride(2) == D * rk,
+                      kGearOp, bn.c_str(), "must be [B, H, blocks=", nblk, ", D=", D, ", r=", rk,
+                      "] with contiguous blocks, got ", Bf.sizes());
+        s.B_sblk = Bf.stride(2);
+      }
+      s.r = (int)rk;
+      s.A = reinterpret_cast<const uint16_t*>(A.data_ptr());
+      s.Bf = reinterpret_cast<const uint16_t*>(Bf.data_ptr());
+      s.A_sb = A.stride(0), s.A_sh = A.stride(1), s.B_sb = Bf.stride(0), s.B_sh = Bf.stride(1);
+    }
+    // outliers: keys [B, H, D, 2k] (segment 0) or [B, H, nblk, D, 2k]; values [B, H, tseg, 2k]
+    if (ov.numel() > 0 && tseg > 0) {
+      KVQ_CHECK_ARG(ov.scalar_type() == q.scalar_type(), kGearOp, vn.c_str(), "must have the dtype of 'q' (",
+                    q.scalar_type(), "), got ", ov.scalar_type());
+      const int ib = index_bytes(oi, in);
+      KVQ_CHECK_ARG(oi.sizes() == ov.sizes() && oi.strides() == ov.strides(), kGearOp, in.c_str(),
+                    "must have the shape and strides of '", vn, "'");
+      const bool blocked = keys && sg == 1;
+      const int64_t nd = blocked ? 5 : 4;
+      CHECK_DIM(kGearOp, ov, vn.c_str(), nd);
+      const int64_t twok = ov.size(nd - 1);
+      const int64_t vecs = keys ? D : tseg;
+      KVQ_CHECK_ARG(twok % 2 == 0 && ov.size(0) == B && ov.size(1) == H && ov.size(nd - 2) == vecs &&
+                        (!blocked || ov.size(2) == nblk) && ov.stride(nd - 1) == 1 && ov.stride(nd - 2) == twok &&
+                        (!blocked || ov.stride(2) == vecs * twok),
+                    kGearOp, vn.c_str(), "must be [B, H, ", blocked ? "blocks, " : "", keys ? "D" : "T", "=", vecs,
+                    ", 2k] with contiguous vectors, got ", ov.sizes());
+      if (check_indices && ov.numel() > 0) {
+        const int64_t lim = keys ? (sg == 0 ? T0 : nb) : D;
+        const auto mm = oi.to(at::kLong).aminmax();
+        KVQ_CHECK_ARG(std::get<0>(mm).item<int64_t>() >= 0 && std::get<1>(mm).item<int64_t>() < lim, kGearOp,
+                      in.c_str(), "holds indices outside [0, ", lim, ")");
+      }
+      s.k = (int)(twok / 2);
+      s.ibytes = ib;
+      s.ov = ov.data_ptr();
+      s.oi = oi.data_ptr();
+      s.o_sb = ov.stride(0), s.o_sh = ov.stride(1), s.o_sblk = blocked ? ov.stride(2) : 0;
+    }
+  }
+  return g;
+}
+
+static DecodeAttentionCall prepare_gear(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                        const at::Tensor& k_zero, const at::Tensor& k_residual,
+                                        const at::Tensor& v_codes, const at::Tensor& v_scale, const at::Tensor& v_zero,
+                                        const at::Tensor& v_residual, const std::optional<at::Tensor>& mask,
+                                        int64_t bits, const std::vector<at::Tensor>& k_gear,
+                                        const std::vector<at::Tensor>& v_gear, int64_t t0, int64_t nb, double scale,
+                                        bool check_indices) {
+  DecodeAttentionCall c = prepare_decode_attention(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero,
+                                                   v_residual, mask, bits, true, bits, false, scale);
+  auto& p = c.params;
+  const int64_t Tq = p.k.Tq;
+  KVQ_CHECK_ARG(p.v.Tq == Tq, kGearOp, "v_codes", "must hold as many compressed tokens as 'k_codes' (", Tq,
+                "), got ", p.v.Tq);
+  KVQ_CHECK_ARG(nb >= 1, kGearOp, "block_tokens", "must be >= 1, got ", nb);
+  KVQ_CHECK_ARG(t0 >= 0 && t0 <= Tq && (Tq - t0) % nb == 0, kGearOp, "prefill_tokens", "must be in [0, ", Tq,
+                "] with the rest a whole number of ", nb, "-token blocks, got ", t0);
+  KVQ_CHECK_ARG(Tq == 0 || (t0 % p.k.group == 0 && nb % p.k.group == 0), kGearOp, "prefill_tokens",
+                "and 'block_tokens' must be multiples of the key group ", p.k.group);
+  p.gear = true;
+  p.gear_t0 = t0, p.gear_nb = nb;
+  p.gk = parse_gear_role("k", k_gear, c.q, true, p.B, p.H, p.D, t0, Tq - t0, nb, check_indices);
+  p.gv = parse_gear_role("v", v_gear, c.q, false, p.B, p.H, p.D, t0, Tq - t0, nb, check_indices);
+  return c;
+}
+
+static void run_cpu(DecodeAttentionCall& c) {
   const auto& p = c.params;
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(c.q.scalar_type()), DType, [&] {
@@ -130,7 +243,39 @@ at::Tensor decode_attention_gq_cpu(const at::Tensor& q, const at::Tensor& k_code
       });
     });
   });
+}
+
+at::Tensor decode_attention_gq_cpu(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                   const at::Tensor& k_zero, const at::Tensor& k_residual,
+                                   const at::Tensor& v_codes, const at::Tensor& v_scale,
+                                   const at::Tensor& v_zero, const at::Tensor& v_residual,
+                                   const std::optional<at::Tensor>& mask, int64_t k_bits, bool k_per_channel,
+                                   int64_t v_bits, bool v_per_channel, double scale) {
+  DecodeAttentionCall c = prepare_decode_attention(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale,
+                                                   v_zero, v_residual, mask, k_bits, k_per_channel, v_bits,
+                                                   v_per_channel, scale);
+  run_cpu(c);
   return c.out;
 }
+
+at::Tensor decode_attention_gear_cpu(KVQ_DECODE_ATTN_GEAR_ARGS) {
+  DecodeAttentionCall c = prepare_gear(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero, v_residual,
+                                       mask, bits, k_gear, v_gear, prefill_tokens, block_tokens, scale, true);
+  run_cpu(c);
+  return c.out;
+}
+
+#ifdef KVQ_WITH_CUDA
+DecodeAttentionCall prepare_decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS) {
+  DecodeAttentionCall c = prepare_gear(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero, v_residual,
+                                       mask, bits, k_gear, v_gear, prefill_tokens, block_tokens, scale, false);
+  const auto& p = c.params;
+  KVQ_CHECK(p.k.Tq == 0 || attention::decode_attention_gear_cuda_ok(p), "kvq.", kGearOp,
+            ": this GEAR layer is not supported by the CUDA kernel (needs head dim 64/128/256, at most 8 query "
+            "heads per KV head, KIVI key groups and blocks of whole 32-token tiles, 16-byte aligned tensors); "
+            "kvq.decode_attention falls back to dequantize + SDPA for it");
+  return c;
+}
+#endif
 
 }  // namespace kvq

@@ -156,5 +156,18 @@ at::Tensor decode_attention_gq_cpu(KVQ_DECODE_ATTN_GQ_ARGS);
 #ifdef KVQ_WITH_CUDA
 at::Tensor decode_attention_gq_cuda(KVQ_DECODE_ATTN_GQ_ARGS);
 #endif
+// GEAR layers: KIVI backbone (2 per-channel key / per-token value stores, one bit width) plus
+// per role the list [A0, B0, ov0, oi0, A1, B1, ov1, oi1] (decode_attention.h, GearSeg).
+#define KVQ_DECODE_ATTN_GEAR_ARGS                                                                \
+  const at::Tensor &q, const at::Tensor &k_codes, const at::Tensor &k_scale,                     \
+      const at::Tensor &k_zero, const at::Tensor &k_residual, const at::Tensor &v_codes,         \
+      const at::Tensor &v_scale, const at::Tensor &v_zero, const at::Tensor &v_residual,         \
+      const std::optional<at::Tensor>&mask, int64_t bits, const std::vector<at::Tensor>&k_gear,  \
+      const std::vector<at::Tensor>&v_gear, int64_t prefill_tokens, int64_t block_tokens, double scale
+at::Tensor decode_attention_gear_cpu(KVQ_DECODE_ATTN_GEAR_ARGS);
+#ifdef KVQ_WITH_CUDA
+DecodeAttentionCall prepare_decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS);
+at::Tensor decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS);
+#endif
 
 }  // namespace kvq

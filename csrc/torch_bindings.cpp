@@ -50,6 +50,12 @@ TORCH_LIBRARY(kvq, m) {
   m.def("decode_attention_gq(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor k_residual,"
         " Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor v_residual, Tensor? mask, int k_bits,"
         " bool k_per_channel, int v_bits, bool v_per_channel, float scale) -> Tensor");
+  // GEAR layer: KIVI backbone of every block (keys per channel, values per token, one bit
+  // width) + per role [A0, B0, ov0, oi0, A1, B1, ov1, oi1] (prefill block, then the
+  // concatenated decode blocks of block_tokens each); layout in decode_attention.h.
+  m.def("decode_attention_gear(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor k_residual,"
+        " Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor v_residual, Tensor? mask, int bits,"
+        " Tensor[] k_gear, Tensor[] v_gear, int prefill_tokens, int block_tokens, float scale) -> Tensor");
   // ---- end decode attention ops ----
 }
 
@@ -68,5 +74,6 @@ TORCH_LIBRARY_IMPL(kvq, CPU, m) {
   // ---- end HQMQ CPU impls ----
   // ---- decode attention CPU impls ----
   m.impl("decode_attention_gq", &kvq::decode_attention_gq_cpu);
+  m.impl("decode_attention_gear", &kvq::decode_attention_gear_cpu);
   // ---- end decode attention CPU impls ----
 }

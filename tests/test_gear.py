@@ -278,13 +278,12 @@ def test_config_validation(kw, arg):
 
 # ============================================================================ streaming
 def _blockwise_expected(x, cfg, role, prefill):
-    """The streaming rule spelled out: prefill block at cfg.rank, then n_b blocks at
-    cfg.rank_decode, rest full precision."""
+    """The streaming rule spelled out: prefill block of whole KIVI groups (keys and values
+    alike) at cfg.rank, then n_b blocks at cfg.rank_decode, rest full precision."""
     T = x.shape[2]
-    spec = cfg.spec(role)
     n = prefill
-    if spec.per_channel and spec.group_size != -1:
-        n -= n % spec.group_size
+    if cfg.backbone == "kivi":
+        n -= n % cfg.group_size
     parts, t = [], 0
     if n:
         parts.append(cfg.compress(x[:, :, :n], role, rank=cfg.rank).decompress())
@@ -342,7 +341,10 @@ def test_stream_decode_block_ranks_and_no_recompression():
     assert first.rank == 4 and s.buffer_len == 0
     for t in range(128, 258):
         cache.update(x[:, :, t:t + 1], x[:, :, t:t + 1], 0)
-    assert s.blocks[0] is first  # never recompressed
+    # never recompressed: the prefill block's storage is untouched
+    assert s.blocks[0].A.data_ptr() == first.A.data_ptr()
+    for name in ("codes", "scale", "A", "B", "outlier_values"):
+        assert torch.equal(getattr(s.blocks[0], name), getattr(first, name)), name
     assert [b.rank for b in s.blocks] == [4, 2, 2] and s.buffer_len == 2
 
 

@@ -44,11 +44,14 @@ static SplitPlan plan_for(const DecodeAttnParams& p, DTypeId dtype) {
   return decode_attention_plan(p, quant::num_sms(), occupancy(p, dtype));
 }
 
+bool decode_attention_gear_cuda_ok(const DecodeAttnParams& p) { return decode_attention_mma_ok(p); }
+
 int decode_attention_splits(const DecodeAttnParams& p, DTypeId dtype) { return plan_for(p, dtype).splits(); }
 
 cudaError_t decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream) {
   const SplitPlan plan = plan_for(p, dtype);
   if (plan.splits() != p.splits) return cudaErrorInvalidValue;
+  if (p.gear && plan.t_main != p.k.Tq) return cudaErrorInvalidValue;  // GEAR tokens need the mma path
   if (plan.t_main > 0) {
     switch (p.k.bits) {
       case 2: return decode_attention_mma_b2(p, plan, dtype, stream);

@@ -69,5 +69,8 @@ namespace attention {
 int decode_attention_splits(const DecodeAttnParams& p, DTypeId dtype);
 /// \brief Fused decode attention; p.ws must hold B * Hq * splits * (D + 2) floats.
 cudaError_t decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief Can the CUDA kernels run this GEAR layer (p.gear)?  (Its compressed tokens need the
+/// tensor-core path.)
+bool decode_attention_gear_cuda_ok(const DecodeAttnParams& p);
 }  // namespace attention
 }  // namespace kvq

@@ -230,7 +230,7 @@ def _gear_decompress_fake(codes, scale, zero, outlier_values, outlier_indices, A
 
 
 # ----------------------------------------------------------------------------- decode attention
-__all__ += ["decode_attention_gq"]
+__all__ += ["decode_attention_gq", "decode_attention_gear"]
 
 
 def decode_attention_gq(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero,
@@ -251,4 +251,24 @@ def decode_attention_gq(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scal
 @torch.library.register_fake("kvq::decode_attention_gq")
 def _decode_attention_gq_fake(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero,
                               v_residual, mask, k_bits, k_per_channel, v_bits, v_per_channel, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def decode_attention_gear(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero,
+                          v_residual, mask, bits: int, k_gear, v_gear, prefill_tokens: int,
+                          block_tokens: int, scale: float) -> torch.Tensor:
+    """Decode attention over a GEAR layer (KIVI backbone): the backbone operands of
+    :func:`decode_attention_gq` (keys per channel, values per token, one bit width) plus per
+    role ``[A0, B0, ov0, oi0, A1, B1, ov1, oi1]``: low-rank factors and outliers of the
+    prefill block (``prefill_tokens`` tokens) and of the concatenated decode blocks
+    (``block_tokens`` each).  Low rank and outliers are applied inside the kernel."""
+    return torch.ops.kvq.decode_attention_gear.default(
+        q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero, v_residual, mask,
+        bits, k_gear, v_gear, prefill_tokens, block_tokens, scale)
+
+
+@torch.library.register_fake("kvq::decode_attention_gear")
+def _decode_attention_gear_fake(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero,
+                                v_residual, mask, bits, k_gear, v_gear, prefill_tokens,
+                                block_tokens, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)

@@ -13,10 +13,12 @@ from typing import Optional
 import torch
 
 from . import _ops
+from .gear import GEARStream
 from .streams import FullPrecisionStream, _QuantStream
 
 _warned = set()
 _MAX_GROUP = 16  # query heads per KV head in one kernel call
+_MAX_GROUP_GEAR = 8  # the GEAR kernel is the tensor-core path only (N = 8 query heads)
 
 
 def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[float] = None, *,
@@ -62,27 +64,34 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
         scale = 1.0 / math.sqrt(D)
     qc = q4.reshape(B, Hq, D).to(kst.dtype)
 
-    if isinstance(kst, _QuantStream) and isinstance(vst, _QuantStream):
+    g = Hq // H
+    path = _path(kst, vst, qc)
+    if path == "gq":
         operands = (*kst.attention_operands(), *vst.attention_operands())
-        g = Hq // H
 
         def run(qh):
             return _ops.decode_attention_gq(qh, *operands, attn_mask, kst.spec.bits,
                                             kst.spec.per_channel, vst.spec.bits,
                                             vst.spec.per_channel, float(scale))
 
-        if g <= _MAX_GROUP:
-            out = run(qc)
-        else:  # the kernels take up to 16 query heads per KV head: split the group
-            qg = qc.reshape(B, H, g, D)
-            parts = [run(qg[:, :, j:j + _MAX_GROUP].reshape(B, -1, D)).reshape(B, H, -1, D)
-                     for j in range(0, g, _MAX_GROUP)]
-            out = torch.cat(parts, dim=2).reshape(B, Hq, D)
-    elif isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
+        out = _split_heads(run, qc, H, g, _MAX_GROUP)
+    elif path == "gear":
+        kc, ks, kz, kr, kg = kst.attention_operands()
+        vc, vs, vz, vr, vg = vst.attention_operands()
+
+        def run(qh):
+            return _ops.decode_attention_gear(qh, kc, ks, kz, kr, vc, vs, vz, vr, attn_mask,
+                                              kst.spec.bits, kg, vg, kst.T0,
+                                              kst.config.buffer_length, float(scale))
+
+        out = _split_heads(run, qc, H, g, _MAX_GROUP_GEAR)
+    elif path == "fp16":
         out = _sdpa(qc, kst.dequantize(), vst.dequantize(), scale, attn_mask, Hq != H)
     else:
-        # NOTE: GEAR and HQMQ layers have no fused kernel yet; they attend over the layer
-        # dequantized by their own ops (correct, but reads a full-precision copy).
+        # NOTE: HQMQ layers, and GEAR layers the fused op does not cover (KCVT backbone;
+        # on CUDA also blocks that are not whole 32-token tiles or unaligned storage),
+        # attend over the layer dequantized by their own ops (correct, but reads a
+        # full-precision copy).
         name = type(cache.config).__name__
         if name not in _warned:
             _warned.add(name)
@@ -92,6 +101,52 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
         out = _sdpa(qc, K, V, scale, attn_mask, Hq != H)
     out = out.to(q.dtype)
     return out if squeeze else out.unsqueeze(2)
+
+
+def _path(kst, vst, q) -> str:
+    """Which implementation attends over a layer: "gq" / "gear" (fused ops), "fp16" (SDPA)
+    or "dequantize" (the layer dequantized, then SDPA)."""
+    if isinstance(kst, _QuantStream) and isinstance(vst, _QuantStream):
+        return "gq"
+    if isinstance(kst, GEARStream) and _gear_fused_ok(kst, vst, q):
+        return "gear"
+    if isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
+        return "fp16"
+    return "dequantize"
+
+
+def uses_fused_kernel(cache, layer_idx: int, q: torch.Tensor) -> bool:
+    """True when :func:`decode_attention` reads layer ``layer_idx`` of ``cache`` through a
+    fused op for queries like ``q`` (False: FP16 SDPA, or dequantize then SDPA)."""
+    layer = cache._layer(layer_idx)
+    return _path(layer.key, layer.value, q) in ("gq", "gear")
+
+
+def _split_heads(run, qc, H, g, max_group):
+    """run(q) over groups of at most ``max_group`` query heads per KV head."""
+    if g <= max_group:
+        return run(qc)
+    B, _, D = qc.shape
+    qg = qc.reshape(B, H, g, D)
+    parts = [run(qg[:, :, j:j + max_group].reshape(B, -1, D)).reshape(B, H, -1, D)
+             for j in range(0, g, max_group)]
+    return torch.cat(parts, dim=2).reshape(B, H * g, D)
+
+
+def _gear_fused_ok(kst, vst, q) -> bool:
+    """Does ``kvq.decode_attention_gear`` cover this GEAR layer?  (KIVI backbone, both roles
+    with the same block boundaries; on CUDA the tensor-core path's shape rules.)"""
+    cfg = kst.config
+    if cfg.backbone != "kivi" or not isinstance(vst, GEARStream):
+        return False
+    if (kst.T0, kst.num_decode_blocks, kst.compressed_len) != (vst.T0, vst.num_decode_blocks,
+                                                              vst.compressed_len):
+        return False
+    if q.device.type != "cuda":
+        return True
+    D = q.shape[-1]
+    return (D in (64, 128, 256) and cfg.group_size % 32 == 0
+            and kst.T0 % 32 == 0 and cfg.buffer_length % 32 == 0)
 
 
 def _sdpa(q, K, V, scale, attn_mask, gqa):

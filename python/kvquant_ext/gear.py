@@ -5,7 +5,9 @@ A :class:`GEARCompressed` holds one block ``[B, H, T, D]`` compressed by
 prefill as one block (prefill rank), keeps new tokens in a full-precision buffer and, each
 time the buffer holds ``buffer_length`` tokens, compresses exactly those tokens as a new
 block (its own outliers and ``rank_decode`` factors) and appends it; older blocks are never
-recompressed.  No math lives here: everything goes through the registered ops.
+recompressed.  The stream stores its blocks concatenated (see :class:`GEARStream`) so that
+``kvq.decode_attention_gear`` reads them in place.  No math lives here: everything goes
+through the registered ops.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 from . import _ops
 from .compressed import Compressed, check_cache_tensor
 from .config import GEARConfig, QuantSpec, _check_role
-from .streams import Stream
+from .streams import Growable, Stream
 
 _FIELDS = ("codes", "scale", "zero", "outlier_values", "outlier_indices", "A", "B")
 
@@ -88,22 +90,65 @@ class GEARCompressed(Compressed):
 class GEARStream(Stream):
     """GEAR streaming of one role of one layer (see the module docstring).
 
-    ``blocks`` lists the compressed blocks in token order and ``block_offsets`` their first
-    token, so a decode-attention kernel can walk them; ``buffer`` holds the full-precision
-    tokens not yet compressed."""
+    Storage is concatenated so that a fused decode-attention kernel reads one array per
+    field: the backbone (``codes``/``scale``/``zero``) of every block in token order; the
+    prefill block's factors ``A0 [B, H, T0, r]`` / ``B0 [B, H, D, r]`` and outliers
+    ``ov0``/``oi0``; the decode blocks' factors ``A1 [B, H, T1, r_d]`` /
+    ``B1 [B, H, nblk, D, r_d]`` and outliers ``ov1``/``oi1`` (keys ``[B, H, nblk, D, 2k]``,
+    values ``[B, H, T1, 2k]``).  ``blocks`` gives per-block :class:`GEARCompressed` views.
+
+    The prefill block covers the longest prefix of whole KIVI groups (``T - T mod G``) for
+    keys *and* values, so both roles have the same block boundaries; the rest waits in the
+    full-precision ``buffer`` with the decode tokens."""
+
+    _SEG = ("A0", "B0", "ov0", "oi0")
 
     def __init__(self, config: GEARConfig, role: str, *, check_finite: bool = True):
         super().__init__()
         self.config, self.role, self.check_finite = config, role, check_finite
         self.spec = config.spec(role)
-        self.blocks: List[GEARCompressed] = []
+        self.codes, self.scale, self.zero = Growable(), Growable(), Growable()
+        self.A1, self.B1, self.ov1, self.oi1 = Growable(), Growable(), Growable(), Growable()
+        self.A0 = self.B0 = self.ov0 = self.oi0 = None
+        self.T0 = 0         # tokens of the prefill block (0: none)
+        self.num_decode_blocks = 0
         self.buffer: Optional[torch.Tensor] = None
         self.prefilled = False
 
     # -- streaming --------------------------------------------------------------
+    @property
+    def prefill_align(self) -> int:
+        """The prefill block covers a multiple of this many tokens (the KIVI group)."""
+        return self.config.group_size if self.config.backbone == "kivi" else 1
+
+    def _rows(self, ntok: int) -> int:
+        """Scale/zero rows of a block of ``ntok`` tokens."""
+        G = self.spec.group_size
+        if not self.spec.per_channel:
+            return ntok
+        return 1 if G == -1 else ntok // G
+
     def _compress_block(self, x: torch.Tensor, rank: int) -> None:
-        self.blocks.append(GEARCompressed.from_tensor(x, self.config, self.role, rank=rank,
-                                                      check_finite=self.check_finite))
+        blk = GEARCompressed.from_tensor(x, self.config, self.role, rank=rank,
+                                         check_finite=self.check_finite)
+        assert blk.tail is None  # blocks are whole KIVI groups
+        f = blk.fields
+        for name in ("codes", "scale", "zero"):
+            getattr(self, name).append(f[name])
+        if self.T0 == 0 and self.num_decode_blocks == 0 and not self.prefilled:
+            self.T0 = x.shape[2]
+            self.A0, self.B0 = f["A"], f["B"]
+            self.ov0, self.oi0 = f["outlier_values"], f["outlier_indices"]
+            return
+        self.num_decode_blocks += 1
+        self.A1.append(f["A"])
+        self.B1.append(f["B"].unsqueeze(2))
+        if self.spec.per_channel:  # keys: one [D, 2k] set per block
+            self.ov1.append(f["outlier_values"].unsqueeze(2))
+            self.oi1.append(f["outlier_indices"].unsqueeze(2))
+        else:                      # values: [T, 2k], one row per token
+            self.ov1.append(f["outlier_values"])
+            self.oi1.append(f["outlier_indices"])
 
     def append(self, x, name="x"):
         self._check(x, name)
@@ -112,10 +157,9 @@ class GEARStream(Stream):
         full = x if self.buffer is None else torch.cat([self.buffer, x], dim=2)
         start = 0
         if not self.prefilled and full.shape[2] > 0:
-            # Prefill: one block at the prefill rank (whole KIVI key groups only).
+            # Prefill: one block at the prefill rank (whole KIVI groups, both roles).
             n = full.shape[2]
-            if self.spec.per_channel and self.spec.group_size != -1:
-                n -= n % self.spec.group_size
+            n -= n % self.prefill_align
             if n:
                 self._compress_block(full[:, :, :n], self.config.rank)
             start = n
@@ -129,6 +173,37 @@ class GEARStream(Stream):
 
     # -- views ------------------------------------------------------------------
     @property
+    def blocks(self) -> List[GEARCompressed]:
+        """Per-block views (no copies) in token order."""
+        if self._shape is None:
+            return []
+        B, H, D = self._shape
+        out = []
+        codes, scale, zero = self.codes.view(), self.scale.view(), self.zero.view()
+        t = r = 0
+
+        def block(ntok, A, Bf, ov, oi):
+            nonlocal t, r
+            nr = self._rows(ntok)
+            f = {"codes": codes[:, :, t:t + ntok], "scale": scale[:, :, r:r + nr],
+                 "zero": zero[:, :, r:r + nr], "outlier_values": ov, "outlier_indices": oi,
+                 "A": A, "B": Bf}
+            t, r = t + ntok, r + nr
+            return GEARCompressed(f, self.spec, (B, H, ntok, D), self.dtype)
+
+        if self.T0:
+            out.append(block(self.T0, self.A0, self.B0, self.ov0, self.oi0))
+        nb = self.config.buffer_length
+        A1, B1, ov1, oi1 = self.A1.view(), self.B1.view(), self.ov1.view(), self.oi1.view()
+        for j in range(self.num_decode_blocks):
+            if self.spec.per_channel:
+                ov, oi = ov1[:, :, j], oi1[:, :, j]
+            else:
+                ov, oi = ov1[:, :, j * nb:(j + 1) * nb], oi1[:, :, j * nb:(j + 1) * nb]
+            out.append(block(nb, A1[:, :, j * nb:(j + 1) * nb], B1[:, :, j], ov, oi))
+        return out
+
+    @property
     def block_offsets(self) -> List[int]:
         offs, t = [], 0
         for b in self.blocks:
@@ -138,7 +213,7 @@ class GEARStream(Stream):
 
     @property
     def compressed_len(self) -> int:
-        return sum(b.shape[2] for b in self.blocks)
+        return self.codes.length
 
     @property
     def buffer_len(self) -> int:
@@ -156,13 +231,30 @@ class GEARStream(Stream):
             parts.append(self.buffer)
         return torch.cat(parts, dim=2) if parts else self._empty()
 
+    def attention_operands(self):
+        """Operands of ``kvq.decode_attention_gear`` for this role: the backbone
+        ``(codes, scale, zero, residual)`` and the GEAR list
+        ``[A0, B0, ov0, oi0, A1, B1, ov1, oi1]`` (empty tensors where absent)."""
+        B, H, D = self._shape
+        dev, spec = self.device, self.spec
+        codes = self.codes.view()
+        if codes is None:
+            ng = D if spec.per_channel else D // spec.group_size
+            codes = torch.empty((B, H, 0, D * spec.bits // 32), dtype=torch.int32, device=dev)
+            scale = zero = torch.empty((B, H, 0, ng), dtype=torch.float16, device=dev)
+        else:
+            scale, zero = self.scale.view(), self.zero.view()
+        residual = self.buffer if self.buffer is not None else self._empty()
+        e = torch.empty(0, device=dev)
+        gear = [self.A0, self.B0, self.ov0, self.oi0, self.A1.view(), self.B1.view(),
+                self.ov1.view(), self.oi1.view()]
+        return codes, scale, zero, residual, [e if t is None else t for t in gear]
+
     def tensors(self):
-        d: Dict[str, Optional[torch.Tensor]] = {}
-        for i, b in enumerate(self.blocks):
-            for k, v in b.tensors().items():
-                d[f"blocks.{i}.{k}"] = v
-        d["buffer"] = self.buffer
-        return d
+        return {"codes": self.codes.view(), "scale": self.scale.view(), "zero": self.zero.view(),
+                "A0": self.A0, "B0": self.B0, "ov0": self.ov0, "oi0": self.oi0,
+                "A1": self.A1.view(), "B1": self.B1.view(), "ov1": self.ov1.view(),
+                "oi1": self.oi1.view(), "buffer": self.buffer}
 
     # -- state ------------------------------------------------------------------
     def state_dict(self):
@@ -170,20 +262,17 @@ class GEARStream(Stream):
         if self._shape is not None:
             if "buffer" not in sd:
                 sd["buffer"] = self._empty()
-            sd["prefilled"] = torch.tensor([int(self.prefilled)], dtype=torch.int8)
+            sd["meta"] = torch.tensor([int(self.prefilled), self.T0, self.num_decode_blocks],
+                                      dtype=torch.int64)
         return sd
 
     def load_state_dict(self, state):
         self._shape = None
         self._check(state["buffer"], "state['buffer']")
         self.buffer = state["buffer"]
-        self.prefilled = bool(int(state["prefilled"].reshape(-1)[0]))
-        B, H, D = self._shape
-        self.blocks = []
-        i = 0
-        while f"blocks.{i}.codes" in state:
-            f = {k: state[f"blocks.{i}.{k}"] for k in _FIELDS}
-            tail = state.get(f"blocks.{i}.tail")
-            T = f["codes"].shape[2] + (0 if tail is None else tail.shape[2])
-            self.blocks.append(GEARCompressed(f, self.spec, (B, H, T, D), self.dtype, tail))
-            i += 1
+        prefilled, self.T0, self.num_decode_blocks = (int(v) for v in state["meta"].reshape(-1)[:3])
+        self.prefilled = bool(prefilled)
+        for name in ("codes", "scale", "zero", "A1", "B1", "ov1", "oi1"):
+            getattr(self, name).reset(state.get(name))
+        for name in self._SEG:
+            setattr(self, name, state.get(name))

@@ -111,16 +111,19 @@ __device__ __forceinline__ void warp_copy_async(void* dst, const void* src, int 
   }
 }
 
-/// Byte layout of one 32-token tile in shared memory (KPC: keys grouped per channel).
-template <int D, int BITS, bool KPC>
+/// Byte layout of one 32-token tile in shared memory (KPC: keys grouped per channel; GEAR:
+/// plus the tile's rows of the key and value low-rank factors A, up to 8 fp16 columns).
+template <int D, int BITS, bool KPC, bool GEAR = false>
 struct TileLayout {
   static constexpr int CODES = kTile * D * BITS / 8;             // K or V codes of the tile
   static constexpr int KS = KPC ? 2 * D : kTile * 4 * 2;         // K scale (or zero): 1 row / <= 4 groups x 32 tokens
   static constexpr int VS = kTile * 8 * 2;                       // V scale (or zero): <= 8 groups x 32 tokens
   static constexpr int KC_OFF = 0, VC_OFF = CODES, KS_OFF = 2 * CODES, KZ_OFF = KS_OFF + KS,
                        VS_OFF = KZ_OFF + KS, VZ_OFF = VS_OFF + VS;
-  static constexpr int BYTES = VZ_OFF + VS;
-  static constexpr int STAGES = BYTES <= 4096 ? 3 : 2;
+  static constexpr int A_BYTES = GEAR ? kTile * 8 * 2 : 0;
+  static constexpr int KA_OFF = VZ_OFF + VS, VA_OFF = KA_OFF + A_BYTES;
+  static constexpr int BYTES = VA_OFF + A_BYTES;
+  static constexpr int STAGES = KA_OFF <= 4096 ? 3 : 2;  // by the backbone bytes
   static constexpr int RING = STAGES * BYTES;
 };
 
@@ -159,11 +162,91 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return y;
 }
 
-template <typename DType, int D, int BITS, bool KPC>
+
+// ---------------------------------------------------------------------------
+// GEAR extras of the mma path (GEAR = true): the low-rank factors and the outliers of a
+// GEAR layer (decode_attention.h, GearSeg), added without forming the dense correction:
+//   scores  += A_k[t] . (q B_k)                  one extra mma per 16 tokens
+//   output  += (sum_t p_t A_v[t]) B_v^T           U accumulated by mma, flushed per block
+//   outliers: key entry (t, c, v): score_t += q_c (v - Khat[t, c]); value entry (t, c, v):
+//   out_c += p_t (v - Vhat[t, c]), Khat / Vhat = backbone + low rank at that position
+//   (decompression overwrites the entry).  Key entries are found per tile through one
+//   cursor per (channel, side) over the per-channel index lists (each half is sorted by
+//   token); value entries are the 2k entries of each token.
+// ---------------------------------------------------------------------------
+/// Per-warp scratch of the GEAR extras (bytes, 16-byte multiples).
+template <int D>
+struct GearScratch {
+  static constexpr int CORR = 0;                 // float [32 tokens][8 heads]: key outlier corrections
+  static constexpr int PF = CORR + kTile * 8 * 4;  // float [32][8]: this tile's p (fp32)
+  static constexpr int OC = PF + kTile * 8 * 4;    // float [8][D]: value outlier corrections
+  static constexpr int QB = OC + 8 * D * 4;        // float [8][8]: q . B_k of the current block
+  static constexpr int AL = QB + 64 * 4;           // float [8]: rescale factors per head
+  static constexpr int CUR = AL + 8 * 4;           // int [2 D]: key outlier cursors
+  static constexpr int BYTES = (CUR + 2 * D * 4 + 15) / 16 * 16;
+};
+
+/// Segment / block of a 32-token tile starting at t0 (32-bit arithmetic).
+struct GearTile {
+  int seg;   // 0: prefill block, 1: decode blocks
+  int blk;   // decode block within segment 1
+  int bid;   // block id: 0 prefill, 1 + blk
+  int ts0;   // first token within the segment
+  int tb0;   // first token within the block
+};
+__device__ __forceinline__ GearTile gear_tile(const DecodeAttnParams& p, int64_t t0) {
+  GearTile r;
+  const int t = (int)t0, T0 = (int)p.gear_t0, nb = (int)p.gear_nb;
+  if (t < T0) {
+    r.seg = 0, r.blk = 0, r.bid = 0, r.ts0 = t, r.tb0 = t;
+  } else {
+    r.seg = 1, r.ts0 = t - T0, r.blk = r.ts0 / nb, r.bid = 1 + r.blk, r.tb0 = r.ts0 - r.blk * nb;
+  }
+  return r;
+}
+/// One role's segment, with the (batch, head, block) offsets applied.
+struct GearSegView {
+  const uint16_t* A;   // [T_seg, r]
+  const uint16_t* Bf;  // [D, r] of the block
+  const char* ov;      // outlier values of the (batch, head[, block]) (bytes)
+  const char* oi;      // outlier indices
+  int r, k, ibytes;
+};
+template <typename DType>
+__device__ __forceinline__ GearSegView gear_seg(const GearKV& g, int64_t b, int64_t h, int seg, int blk) {
+#define KVQ_SEL(f) (seg ? g.seg[1].f : g.seg[0].f)
+  GearSegView v;
+  v.r = KVQ_SEL(r), v.k = KVQ_SEL(k), v.ibytes = KVQ_SEL(ibytes);
+  v.A = KVQ_SEL(A) + b * KVQ_SEL(A_sb) + h * KVQ_SEL(A_sh);
+  v.Bf = KVQ_SEL(Bf) + b * KVQ_SEL(B_sb) + h * KVQ_SEL(B_sh) + (int64_t)blk * KVQ_SEL(B_sblk);
+  const int64_t o = b * KVQ_SEL(o_sb) + h * KVQ_SEL(o_sh) + (int64_t)blk * KVQ_SEL(o_sblk);
+  v.ov = static_cast<const char*>(KVQ_SEL(ov)) + o * (int64_t)sizeof(DType);
+  v.oi = static_cast<const char*>(KVQ_SEL(oi)) + o * v.ibytes;
+#undef KVQ_SEL
+  return v;
+}
+__device__ __forceinline__ int gear_idx(const char* oi, int ibytes, int j) {
+  return ibytes == 1 ? (int)reinterpret_cast<const uint8_t*>(oi)[j]
+                     : ibytes == 2 ? (int)reinterpret_cast<const int16_t*>(oi)[j] : reinterpret_cast<const int32_t*>(oi)[j];
+}
+/// A[t] . B[c] of a segment view (t: row of the tile's A rows in shared memory).
+__device__ __forceinline__ float gear_lr(const uint16_t* s_a, int tl, const uint16_t* Bf, int c, int r) {
+  float acc = 0.f;
+  for (int j = 0; j < r; ++j) acc += half_bits_to_float(s_a[tl * r + j]) * half_bits_to_float(__ldg(Bf + c * r + j));
+  return acc;
+}
+/// Two fp16 entries (cols j, j + 1 of row `row` of an [rows, r] fp16 array), zero beyond r.
+__device__ __forceinline__ uint32_t gear_pair(const uint16_t* a, int row, int j, int r) {
+  const uint32_t lo = j < r ? (uint32_t)a[row * r + j] : 0u;
+  const uint32_t hi = j + 1 < r ? (uint32_t)a[row * r + j + 1] : 0u;
+  return lo | (hi << 16);
+}
+
+template <typename DType, int D, int BITS, bool KPC, bool GEAR>
 __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
-                         int64_t t_end, int warp, float* slot, char* ring) {
+                         int64_t t_end, int warp, float* slot, char* ring, char* gscr, const float* s_q) {
   using CM = ChannelMap<D, BITS>;
-  using TL = TileLayout<D, BITS, KPC>;
+  using TL = TileLayout<D, BITS, KPC, GEAR>;
   using PK = Pack<BITS>;
   constexpr int NK = D / 16;  // k-steps of QK
   constexpr int MV = D / 16;  // m-tiles (16 channels) of PV
@@ -221,6 +304,22 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   const int soff = (i * CM::VP) % PK::PO;  // nonzero only when a row uses part of a word
   const int kgroup = (int)K.group;
 
+  // ---- GEAR state (see GearScratch) ----
+  using GS = GearScratch<D>;
+  float* s_corr = reinterpret_cast<float*>(gscr + GS::CORR);
+  float* s_pf = reinterpret_cast<float*>(gscr + GS::PF);
+  float* s_oc = reinterpret_cast<float*>(gscr + GS::OC);
+  float* s_qb = reinterpret_cast<float*>(gscr + GS::QB);
+  float* s_al = reinterpret_cast<float*>(gscr + GS::AL);
+  int* s_cur = reinterpret_cast<int*>(gscr + GS::CUR);
+  float u[2] = {0.f, 0.f};  // U[rank i][heads 2c, 2c + 1] (C rows i; rows i + 8 stay zero)
+  uint32_t qlr = 0;         // B fragment of the key low-rank mma: qB[head i][ranks 2c, 2c + 1] / max|q_i|
+  int cur_bid = -1;
+  if constexpr (GEAR) {
+    for (int x = lane; x < 8 * D; x += 32) s_oc[x] = 0.f;
+    __syncwarp();
+  }
+
   // this warp's tiles: t0 = t_begin + (warp + kWarps * k) * kTile, k < ntiles
   const int64_t first = t_begin + warp * kTile;
   const int ntiles = first < t_end ? (int)((t_end - first + kWarps * kTile - 1) / (kWarps * kTile)) : 0;
@@ -240,6 +339,13 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       }
       warp_copy_async<TL::VS>(st + TL::VS_OFF, vscale + t0 * ngv, kTile * ngv * 2, lane);
       warp_copy_async<TL::VS>(st + TL::VZ_OFF, vzero + t0 * ngv, kTile * ngv * 2, lane);
+      if constexpr (GEAR) {
+        const GearTile gt = gear_tile(p, t0);
+        const GearSegView kg = gear_seg<DType>(p.gk, b, h, gt.seg, gt.blk);
+        const GearSegView vg = gear_seg<DType>(p.gv, b, h, gt.seg, gt.blk);
+        if (kg.r > 0) warp_copy_async<TL::A_BYTES>(st + TL::KA_OFF, kg.A + (int64_t)gt.ts0 * kg.r, kTile * kg.r * 2, lane);
+        if (vg.r > 0) warp_copy_async<TL::A_BYTES>(st + TL::VA_OFF, vg.A + (int64_t)gt.ts0 * vg.r, kTile * vg.r * 2, lane);
+      }
     }
     cp_async_commit();  // (possibly empty) group: keeps the wait count uniform
   };
@@ -309,11 +415,93 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         mma16816(sc[mt], a, qb[kk][0], qb[kk][1]);
       }
     }
+    GearTile gt{};
+    GearSegView kg{}, vg{};
+    const uint16_t* s_ka = reinterpret_cast<const uint16_t*>(st + TL::KA_OFF);
+    const uint16_t* s_va = reinterpret_cast<const uint16_t*>(st + TL::VA_OFF);
+    if constexpr (GEAR) {
+      gt = gear_tile(p, t0);
+      kg = gear_seg<DType>(p.gk, b, h, gt.seg, gt.blk);
+      vg = gear_seg<DType>(p.gv, b, h, gt.seg, gt.blk);
+      if (gt.bid != cur_bid) {
+        cur_bid = gt.bid;
+        // q . B_k of this block (lanes over channels, butterfly sums), scaled like q
+        if (kg.r > 0) {
+          for (int hr = 0; hr < g * kg.r; ++hr) {
+            const int hh = hr / kg.r, j = hr - hh * kg.r;
+            float a = 0.f;
+#pragma unroll
+            for (int m = 0; m < D / 32; ++m) {
+              const int ch = lane + 32 * m;
+              a += s_q[hh * D + ch] * half_bits_to_float(__ldg(kg.Bf + ch * kg.r + j));
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+            if (lane == 0) s_qb[hh * 8 + j] = a;
+          }
+          __syncwarp();
+          const float q0 = (i < g && 2 * c < kg.r) ? s_qb[i * 8 + 2 * c] * rq : 0.f;
+          const float q1 = (i < g && 2 * c + 1 < kg.r) ? s_qb[i * 8 + 2 * c + 1] * rq : 0.f;
+          qlr = pack_half2(q0, q1);
+        }
+        // key outlier cursors: first entry of each (channel, side) list at or after the tile
+        if (kg.k > 0) {
+          for (int x = lane; x < 2 * D; x += 32) {
+            const int base = (x >> 1) * 2 * kg.k + (x & 1) * kg.k;
+            int lo = 0, hi = kg.k;
+            while (lo < hi) {
+              const int mid = (lo + hi) >> 1;
+              if (gear_idx(kg.oi, kg.ibytes, base + mid) < gt.tb0) lo = mid + 1; else hi = mid;
+            }
+            s_cur[x] = lo;
+          }
+        }
+      }
+      if (kg.r > 0) {  // scores += A_k[t] . qB: one mma per 16 tokens (ranks = k, zero beyond r)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          uint32_t a[4];
+          a[0] = gear_pair(s_ka, 16 * mt + i, 2 * c, kg.r);
+          a[1] = gear_pair(s_ka, 16 * mt + i + 8, 2 * c, kg.r);
+          a[2] = a[3] = 0u;
+          mma16816(sc[mt], a, qlr, 0u);
+        }
+      }
+    }
     // ---------------- online softmax: heads 2c (e even) and 2c + 1 (e odd) ----------------
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[mt][e] *= (e & 1) ? sfB : sfA;
+    if constexpr (GEAR) {
+      if (kg.k > 0) {  // key outliers: score_t += q_c (v - Khat[t, c]) for entries in this tile
+#pragma unroll
+        for (int x = 0; x < 8; ++x) s_corr[lane * 8 + x] = 0.f;
+        __syncwarp();
+        const DType* ov = reinterpret_cast<const DType*>(kg.ov);
+        for (int x = lane; x < 2 * D; x += 32) {
+          const int ch = x >> 1, base = ch * 2 * kg.k + (x & 1) * kg.k;
+          int cur = s_cur[x];
+          for (; cur < kg.k; ++cur) {
+            const int tl = gear_idx(kg.oi, kg.ibytes, base + cur) - gt.tb0;
+            if (tl >= kTile) break;
+            if (tl < 0) continue;  // another warp's tile
+            const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
+            const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
+            float khat = code * half_bits_to_float(s_ks[ch]) + half_bits_to_float(s_kz[ch]);
+            if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
+            const float dlt = to_float(ov[base + cur]) - khat;
+            for (int hh = 0; hh < g; ++hh) atomicAdd(&s_corr[tl * 8 + hh], s_q[hh * D + ch] * dlt);
+          }
+          s_cur[x] = cur;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[mt][e] += s_corr[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)] * sl;
+      }
+    }
     if (p.mask != nullptr) {
       const uint8_t* mrow = p.mask + b * p.mask_sb + t0;
 #pragma unroll
@@ -346,6 +534,21 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {  // a running max moved
 #pragma unroll
       for (int n = 0; n < MV; ++n) acc[n][0] *= alA, acc[n][1] *= alB, acc[n][2] *= alA, acc[n][3] *= alB;
+      if constexpr (GEAR) {
+        u[0] *= alA, u[1] *= alB;
+        if (i == 0) s_al[2 * c] = alA, s_al[2 * c + 1] = alB;
+        __syncwarp();
+        for (int x = lane; x < g * D; x += 32) s_oc[x] *= s_al[x / D];
+        __syncwarp();
+      }
+    }
+    if constexpr (GEAR) {
+      if (vg.k > 0) {  // this tile's p in fp32 for the value outliers
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s_pf[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)] = sc[mt][e];
+      }
     }
     // P^T B-fragments: pt[kst][0] = tokens 16kst + 0..7, pt[kst][1] = tokens 16kst + 8..15
     uint32_t pt[2][2];
@@ -389,6 +592,53 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         }
       }
     }
+    if constexpr (GEAR) {
+      if (vg.r > 0) {  // U^T (ranks x heads) += A_v^T (ranks x tokens) . P^T
+#pragma unroll
+        for (int kst = 0; kst < 2; ++kst) {
+          uint32_t a[4];
+          const int tA = 16 * kst + 2 * c;
+          a[0] = i < vg.r ? ((uint32_t)s_va[tA * vg.r + i] | ((uint32_t)s_va[(tA + 1) * vg.r + i] << 16)) : 0u;
+          a[2] = i < vg.r ? ((uint32_t)s_va[(tA + 8) * vg.r + i] | ((uint32_t)s_va[(tA + 9) * vg.r + i] << 16)) : 0u;
+          a[1] = a[3] = 0u;
+          float d[4] = {u[0], u[1], 0.f, 0.f};
+          mma16816(d, a, pt[kst][0], pt[kst][1]);
+          u[0] = d[0], u[1] = d[1];
+        }
+      }
+      if (vg.k > 0) {  // value outliers of token `lane`: out_c += p_t (v - Vhat[t, c])
+        __syncwarp();
+        const int tl = lane, nk = 2 * vg.k;
+        const DType* ov = reinterpret_cast<const DType*>(vg.ov) + (int64_t)(gt.ts0 + tl) * nk;
+        const int toff = (gt.ts0 + tl) * nk;
+        for (int j = 0; j < nk; ++j) {
+          const int ch = gear_idx(vg.oi, vg.ibytes, toff + j);
+          const uint32_t w = (uint32_t)s_vc[tl * WROW + ch / PK::CPW];
+          const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
+          const int gi = tl * ngv + ch / (int)V.group;
+          float vhat = code * half_bits_to_float(s_vs[gi]) + half_bits_to_float(s_vz[gi]);
+          if (vg.r > 0) vhat += gear_lr(s_va, tl, vg.Bf, ch, vg.r);
+          const float dlt = to_float(ov[j]) - vhat;
+          for (int hh = 0; hh < g; ++hh) atomicAdd(&s_oc[hh * D + ch], s_pf[tl * 8 + hh] * dlt);
+        }
+      }
+      // end of a block for this warp: O^T += B_v (channels x ranks) . U (ranks x heads)
+      const bool last = k + 1 >= ntiles || gear_tile(p, t0 + kWarps * kTile).bid != gt.bid;
+      if (vg.r > 0 && last) {
+        const uint32_t ub = movmatrix_trans(pack_half2(u[0], u[1]));  // lane (i, c): head i, ranks 2c, 2c + 1
+#pragma unroll
+        for (int pp = 0; pp < MV; ++pp) {
+          const int pair = i * CM::VP + pp;
+          const int ch0 = (pair / PK::PO) * PK::CPW + pair % PK::PO, ch1 = ch0 + PK::PO;
+          uint32_t a[4];
+          a[0] = gear_pair(vg.Bf, ch0, 2 * c, vg.r);
+          a[1] = gear_pair(vg.Bf, ch1, 2 * c, vg.r);
+          a[2] = a[3] = 0u;
+          mma16816(acc[pp], a, ub, 0u);
+        }
+        u[0] = u[1] = 0.f;
+      }
+    }
     __syncwarp();  // every lane has read this stage: the next issue() may overwrite it
   }
   cp_async_wait<0>();  // only empty groups remain; drain before the ring is reused
@@ -413,6 +663,10 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   if (i == 0) {
     if (2 * c < g) slot[(2 * c) * (D + 2)] = mA, slot[(2 * c) * (D + 2) + 1] = lA;
     if (2 * c + 1 < g) slot[(2 * c + 1) * (D + 2)] = mB, slot[(2 * c + 1) * (D + 2) + 1] = lB;
+  }
+  if constexpr (GEAR) {  // the value outlier corrections (same running max as acc)
+    __syncwarp();
+    for (int x = lane; x < g * D; x += 32) slot[(x / D) * (D + 2) + 2 + x % D] += s_oc[x];
   }
 }
 
@@ -511,18 +765,23 @@ struct SplitPlan {
   KVQ_HOST_DEVICE int splits() const { return ns; }
 };
 
-/// Shared memory: q as floats [g][D] (generic path), then per warp max(ring, slot) bytes
-/// (the mma ring; the warp's (m, l, acc) slot [g][D + 2] floats reuses its start).
-template <int D, int BITS, bool KPC, bool MMA>
+/// Shared memory: q as floats [g][D] (generic path, GEAR), then per warp max(ring, slot)
+/// bytes (the mma ring; the warp's (m, l, acc) slot [g][D + 2] floats reuses its start),
+/// followed by the GEAR scratch for GEAR layers.
+template <int D, int BITS, bool KPC, bool MMA, bool GEAR = false>
 KVQ_HOST_DEVICE size_t warp_region_bytes(int g) {
+  using TL = TileLayout<D, BITS, KPC, GEAR>;
   const size_t slot = sizeof(float) * (size_t)g * (D + 2);
   size_t r = slot;
-  if constexpr (MMA) r = TileLayout<D, BITS, KPC>::RING > slot ? TileLayout<D, BITS, KPC>::RING : slot;
-  return (r + 15) / 16 * 16;
+  if constexpr (MMA) r = TL::RING > slot ? TL::RING : slot;
+  r = (r + 15) / 16 * 16;
+  if constexpr (GEAR) r += GearScratch<D>::BYTES;
+  return r;
 }
-template <int D, int BITS, bool KPC, bool MMA>
+KVQ_HOST_DEVICE size_t q_region_bytes(int g, int D) { return (sizeof(float) * (size_t)g * D + 15) / 16 * 16; }
+template <int D, int BITS, bool KPC, bool MMA, bool GEAR = false>
 inline size_t decode_attention_smem_bytes(int g) {
-  return (sizeof(float) * (size_t)g * D + 15) / 16 * 16 + kWarps * warp_region_bytes<D, BITS, KPC, MMA>(g);
+  return q_region_bytes(g, D) + kWarps * warp_region_bytes<D, BITS, KPC, MMA, GEAR>(g);
 }
 
 // Resident CTAs per SM the D <= 128 kernels are compiled for: 3 caps registers at 168 (the
@@ -530,7 +789,7 @@ inline size_t decode_attention_smem_bytes(int g) {
 #ifndef KVQ_MINB
 #define KVQ_MINB 3
 #endif
-template <typename DType, int D, int BITS, bool KPC, bool MMA>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR>
 __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
     DecodeAttentionKernel(DecodeAttnParams p, SplitPlan plan) {
   extern __shared__ __align__(16) char smem[];
@@ -539,16 +798,22 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   const int g = (int)(p.Hq / p.H);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
-  const size_t qbytes = (sizeof(float) * (size_t)g * D + 15) / 16 * 16;
-  const size_t wbytes = warp_region_bytes<D, BITS, KPC, MMA>(g);
+  const size_t qbytes = q_region_bytes(g, D);
+  const size_t wbytes = warp_region_bytes<D, BITS, KPC, MMA, GEAR>(g);
   char* region = smem + qbytes + warp * wbytes;
   float* slot = reinterpret_cast<float*>(region);
+  const DType* qg = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
+  if constexpr (GEAR) {  // the GEAR extras read q in fp32
+    for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
+    __syncthreads();
+  }
   const int64_t t_begin = split * plan.chunk_main;
   const int64_t t_end = t_begin + plan.chunk_main < plan.t_main ? t_begin + plan.chunk_main : plan.t_main;
   bool have_mma = false;
   if constexpr (MMA) {
     if (t_begin < t_end) {
-      warp_mma<DType, D, BITS, KPC>(p, b, h, g, t_begin, t_end, warp, slot, region);
+      warp_mma<DType, D, BITS, KPC, GEAR>(p, b, h, g, t_begin, t_end, warp, slot, region,
+                                          region + (wbytes - (GEAR ? GearScratch<D>::BYTES : 0)), s_q);
       have_mma = true;
     }
   }
@@ -559,9 +824,10 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   // ---- this warp's share of the tail [t_main, T) ----
   const int64_t tail = p.T - plan.t_main;
   if (tail > 0) {
-    const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
-    for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(q[x]);
-    __syncthreads();
+    if constexpr (!GEAR) {
+      for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
+      __syncthreads();
+    }
     const int64_t nchunks = (tail + plan.tail_chunk - 1) / plan.tail_chunk;
     const int64_t per_round = (int64_t)plan.ns * kWarps;
     for (int64_t k = split + (int64_t)plan.ns * warp; k < nchunks; k += per_round) {
@@ -639,6 +905,12 @@ inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
         !aligned16(s->zero, s->scale_sb, s->scale_sh, 2))
       return false;
   }
+  if (p.gear) {  // GEAR: KIVI backbone, blocks of whole tiles, A rows copied by cp.async
+    if (!p.k.per_channel || p.gear_t0 % kTile != 0 || p.gear_nb % kTile != 0) return false;
+    for (const GearKV* gk : {&p.gk, &p.gv})
+      for (const GearSeg& sg : gk->seg)
+        if (sg.r > 0 && !aligned16(sg.A, sg.A_sb, sg.A_sh, 2)) return false;
+  }
   return true;
 }
 
@@ -688,11 +960,11 @@ inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, i
   return plan;
 }
 
-template <typename DType, int D, int BITS, bool KPC, bool MMA>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false>
 cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& plan, cudaStream_t stream) {
-  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA>;
+  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR>;
   const int g = (int)(p.Hq / p.H);
-  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA>(g);
+  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR>(g);
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
@@ -706,12 +978,12 @@ cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& pl
 }
 
 /// \brief Resident CTAs per SM of an instantiation (0 on error), for the split plan.
-template <typename DType, int D, int BITS, bool KPC, bool MMA>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false>
 int DecodeAttentionOccupancy(int g) {
   static int cache[kMaxGroup + 1] = {};  // per instantiation and g (benign race: same value)
   if (g >= 1 && g <= kMaxGroup && cache[g] > 0) return cache[g];
-  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA>;
-  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA>(g);
+  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR>;
+  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR>(g);
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
     return 0;

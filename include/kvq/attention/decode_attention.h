@@ -8,6 +8,7 @@
 // out[b, hq] = softmax_t(scale * q[b, hq] . K[b, hq / g, t] + mask) . V[b, hq / g, t],
 // g = Hq / H (GQA).  Fully masked rows produce zeros.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -35,6 +36,44 @@ struct QuantKV {
   int64_t Tr = 0;
 };
 
+/// \brief GEAR extras of one role, for one of the two segments of a GEAR layer: segment 0 is
+/// the prefill block (tokens [0, T0)), segment 1 the decode blocks of nb tokens each, stored
+/// concatenated (tokens [T0, Tq)).  Token t of a segment reads
+///   backbone(t) + A[t] . B[c]  (low rank, r <= 8), then the outlier entries of t overwrite.
+/// Keys (per-channel vectors): outliers [B, H, (block,) D, 2k], index = token within the
+/// block.  Values (per-token vectors): [B, H, T_seg, 2k], index = channel.  Index dtype of
+/// `ibytes` bytes (uint8 / int16 / int32); values in the cache dtype.
+struct GearSeg {
+  const uint16_t* A = nullptr;  // fp16 [B, H, T_seg, r]
+  const uint16_t* Bf = nullptr;  // fp16 [B, H, D, r] (segment 0) or [B, H, nblk, D, r]
+  int64_t A_sb = 0, A_sh = 0, B_sb = 0, B_sh = 0, B_sblk = 0;
+  int r = 0;
+  const void* ov = nullptr;  // outlier values (cache dtype)
+  const void* oi = nullptr;  // outlier indices (same shape and strides as ov)
+  int64_t o_sb = 0, o_sh = 0, o_sblk = 0;  // batch / head / block (keys, segment 1) strides
+  int k = 0;                               // entries per side (2k per vector)
+  int ibytes = 1;
+};
+struct GearKV {
+  GearSeg seg[2];
+};
+
+KVQ_HOST_DEVICE int64_t gear_index(const void* oi, int ibytes, int64_t off) {
+  return ibytes == 1 ? (int64_t) static_cast<const uint8_t*>(oi)[off]
+                     : ibytes == 2 ? (int64_t) static_cast<const int16_t*>(oi)[off]
+                                   : (int64_t) static_cast<const int32_t*>(oi)[off];
+}
+/// A[t] . B[c] of segment s (token t within the segment, block `blk` of segment 1).
+KVQ_HOST_DEVICE float gear_lowrank(const GearSeg& s, int64_t b, int64_t h, int64_t t, int64_t blk, int64_t c,
+                                   int64_t D) {
+  const uint16_t* a = s.A + b * s.A_sb + h * s.A_sh + t * s.r;
+  const uint16_t* bf = s.Bf + b * s.B_sb + h * s.B_sh + blk * s.B_sblk + c * s.r;
+  float acc = 0.f;
+  for (int j = 0; j < s.r; ++j) acc += half_bits_to_float(a[j]) * half_bits_to_float(bf[j]);
+  (void)D;
+  return acc;
+}
+
 /// \brief Decode attention call.  Workspace holds split partials (CUDA only).
 struct DecodeAttnParams {
   const void* q = nullptr;       // [B, Hq, D] contiguous, same dtype as the residuals
@@ -44,6 +83,11 @@ struct DecodeAttnParams {
   QuantKV k, v;
   int64_t B = 0, H = 0, Hq = 0, D = 0, T = 0;
   float scale = 1.f;
+  // GEAR layers (gear = true): k and v are the concatenated backbones of all blocks
+  // (k.Tq == v.Tq), the residuals the full-precision buffers.
+  bool gear = false;
+  GearKV gk, gv;
+  int64_t gear_t0 = 0, gear_nb = 1;  // prefill-block tokens; tokens per decode block
   // CUDA split-K workspace: partial (m, l) [B * Hq, splits, 2] and acc [B * Hq, splits, D]
   float* ws = nullptr;
   int splits = 0;
@@ -61,9 +105,49 @@ KVQ_HOST_DEVICE float dequant_at(const QuantKV& s, int64_t b, int64_t h, int64_t
   return (float)q * half_bits_to_float(s.scale[off]) + half_bits_to_float(s.zero[off]);
 }
 
+/// \brief One GEAR outlier entry (token t, channel c, stored value), CPU twin only.
+struct GearEntry {
+  int64_t t, c;
+  float v;
+};
+
+/// \brief CPU twin: the outlier entries of one role of (b, h), sorted by token.
+template <typename DType>
+void gear_entries_cpu(const DecodeAttnParams& p, const GearKV& g, bool keys, int64_t b, int64_t h,
+                      std::vector<GearEntry>& out) {
+  out.clear();
+  const int64_t D = p.D, T0 = p.gear_t0, nb = p.gear_nb;
+  const int64_t Tq = keys ? p.k.Tq : p.v.Tq;
+  for (int sgi = 0; sgi < 2; ++sgi) {
+    const GearSeg& s = g.seg[sgi];
+    if (s.k == 0 || s.ov == nullptr) continue;
+    const int64_t tseg = sgi == 0 ? T0 : Tq - T0;
+    const int64_t nblk = sgi == 0 ? 1 : tseg / nb;
+    const int64_t base = b * s.o_sb + h * s.o_sh;
+    const DType* ov = static_cast<const DType*>(s.ov);
+    if (keys) {  // per channel: index = token within the block
+      for (int64_t blk = 0; blk < nblk; ++blk)
+        for (int64_t c = 0; c < D; ++c)
+          for (int64_t j = 0; j < 2 * s.k; ++j) {
+            const int64_t off = base + blk * s.o_sblk + c * 2 * s.k + j;
+            const int64_t t0 = sgi == 0 ? 0 : T0 + blk * nb;
+            out.push_back({t0 + gear_index(s.oi, s.ibytes, off), c, to_float(ov[off])});
+          }
+    } else {  // per token: index = channel
+      for (int64_t t = 0; t < tseg; ++t)
+        for (int64_t j = 0; j < 2 * s.k; ++j) {
+          const int64_t off = base + t * 2 * s.k + j;
+          out.push_back({(sgi == 0 ? 0 : T0) + t, gear_index(s.oi, s.ibytes, off), to_float(ov[off])});
+        }
+    }
+  }
+  std::stable_sort(out.begin(), out.end(), [](const GearEntry& a, const GearEntry& e) { return a.t < e.t; });
+}
+
 /// \brief CPU twin: attention of the g query heads of (b, h) in fp32.  Each token's key and
 /// value are dequantized once and used by all g query heads (GQA).  `row` and `kbuf` are
-/// caller-provided scratch (resized here).
+/// caller-provided scratch (resized here).  GEAR layers add the low-rank term and overwrite
+/// the outlier entries of each compressed token.
 template <typename DType>
 void decode_attention_cpu(const DecodeAttnParams& p, int64_t b, int64_t h, std::vector<float>& row,
                           std::vector<float>& kbuf) {
@@ -76,9 +160,20 @@ void decode_attention_cpu(const DecodeAttnParams& p, int64_t b, int64_t h, std::
   float* qf = xt + D;
   float* acc = qf + g * D;
   for (int64_t i = 0; i < g * D; ++i) qf[i] = to_float(q[i]), acc[i] = 0.f;
-  auto load = [&](const QuantKV& s, int64_t t) {
+  std::vector<GearEntry> entries;
+  size_t cursor = 0;
+  auto load = [&](const QuantKV& s, const GearKV& gs, int64_t t) {
     if (t < s.Tq) {
       for (int64_t c = 0; c < D; ++c) xt[c] = dequant_at(s, b, h, t, c, D);
+      if (p.gear) {
+        const int sgi = t < p.gear_t0 ? 0 : 1;
+        const GearSeg& sg = gs.seg[sgi];
+        const int64_t ts = sgi == 0 ? t : t - p.gear_t0;
+        if (sg.r > 0)
+          for (int64_t c = 0; c < D; ++c) xt[c] += gear_lowrank(sg, b, h, ts, sgi == 0 ? 0 : ts / p.gear_nb, c, D);
+        while (cursor < entries.size() && entries[cursor].t < t) ++cursor;
+        for (; cursor < entries.size() && entries[cursor].t == t; ++cursor) xt[entries[cursor].c] = entries[cursor].v;
+      }
     } else {
       const DType* r = static_cast<const DType*>(s.residual) + b * s.res_sb + h * s.res_sh + (t - s.Tq) * D;
       for (int64_t c = 0; c < D; ++c) xt[c] = to_float(r[c]);
@@ -86,12 +181,14 @@ void decode_attention_cpu(const DecodeAttnParams& p, int64_t b, int64_t h, std::
   };
   auto masked = [&](int64_t t) { return p.mask && !p.mask[b * p.mask_sb + t]; };
   std::vector<float> m(g, -INFINITY), l(g, 0.f);
+  if (p.gear) gear_entries_cpu<DType>(p, p.gk, true, b, h, entries);
+  cursor = 0;
   for (int64_t t = 0; t < T; ++t) {
     if (masked(t)) {
       for (int64_t j = 0; j < g; ++j) row[j * T + t] = -INFINITY;
       continue;
     }
-    load(p.k, t);
+    load(p.k, p.gk, t);
     for (int64_t j = 0; j < g; ++j) {
       float s = 0.f;
       for (int64_t c = 0; c < D; ++c) s += qf[j * D + c] * xt[c];
@@ -99,9 +196,11 @@ void decode_attention_cpu(const DecodeAttnParams& p, int64_t b, int64_t h, std::
       m[j] = std::fmax(m[j], row[j * T + t]);
     }
   }
+  if (p.gear) gear_entries_cpu<DType>(p, p.gv, false, b, h, entries);
+  cursor = 0;
   for (int64_t t = 0; t < T; ++t) {
     if (masked(t)) continue;
-    load(p.v, t);
+    load(p.v, p.gv, t);
     for (int64_t j = 0; j < g; ++j) {
       const float e = std::exp(row[j * T + t] - m[j]);
       l[j] += e;

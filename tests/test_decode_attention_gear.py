@@ -1,0 +1,179 @@
+"""kvq.decode_attention over GEAR layers: the fused op (low rank + outliers applied inside the
+kernel) against fp32 softmax attention over cache.dequantize()."""
+import warnings
+
+import pytest
+import torch
+
+import kvquant_ext as kvq
+from conftest import CUDA, requires_cuda
+from kvquant_ext import _ops
+from test_decode_attention import check
+from test_group_quant import make_kv
+
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+FUSED = ["gear-2", "gearl-2", "outlier-2"]
+
+
+def spiky_kv(B, H, T, D, dtype, device, seed):
+    """Cache-like data with structured residuals and large entries, so that outliers, low
+    rank and backbone all matter."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(B, H, T, D, generator=g)
+    x += torch.randn(B, H, T, 2, generator=g) @ torch.randn(B, H, 2, D, generator=g)  # low rank
+    x[..., 3] *= 6.0  # an outlier channel (keys)
+    spikes = torch.rand(B, H, T, D, generator=g) < 0.01
+    x = torch.where(spikes, x * 12.0, x)
+    return x.to(dtype=dtype, device=device)
+
+
+def gear_cache(preset, B, H, T, D, dtype, device, steps=0, seed=0):
+    cache = kvq.KVCache(preset)
+    cache.update(spiky_kv(B, H, T, D, dtype, device, seed), spiky_kv(B, H, T, D, dtype, device, seed + 1), 0)
+    for s in range(steps):
+        cache.update(spiky_kv(B, H, 1, D, dtype, device, seed + 2 + 2 * s),
+                     spiky_kv(B, H, 1, D, dtype, device, seed + 3 + 2 * s), 0)
+    return cache
+
+
+def fused(cache, q, mask=None):
+    """Run kvq.decode_attention and assert it took the fused GEAR op (no fallback warning)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        return check(cache, q, mask)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", FUSED)
+@pytest.mark.parametrize("T,steps", [(1, 0), (70, 0), (150, 90), (256, 130)])
+def test_presets_lengths_streaming(device, preset, T, steps):
+    """Buffer only; prefill block + buffer; prefill + decode blocks + buffer."""
+    cache = gear_cache(preset, 2, 2, T, 64, torch.float16, device, steps)
+    fused(cache, torch.randn(2, 8, 64, dtype=torch.float16, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("ratio", [1, 4, 7, 12])
+def test_head_dims_gqa(device, D, ratio):
+    H = 2
+    cache = gear_cache("gear-2", 1, H, 320 if device == "cuda" else 192, D, torch.float16, device, steps=66)
+    fused(cache, torch.randn(1, H * ratio, D, dtype=torch.float16, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_and_mask(device):
+    B, H, T, D = 3, 2, 256, 128
+    cache = gear_cache("gear-2", B, H, T, D, torch.bfloat16, device, steps=70)
+    Tt = T + 70
+    mask = torch.ones(B, Tt, dtype=torch.bool, device=device)
+    mask[1, :37] = False
+    mask[2, :200] = False
+    q = torch.randn(B, 8, D, dtype=torch.bfloat16, device=device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        check(cache, q, mask, tol=1.5e-2)
+    mask[0] = False  # a fully masked row gives zeros
+    out = kvq.decode_attention(q, cache, 0, attn_mask=mask)
+    assert torch.all(out[0] == 0) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_outliers_and_low_rank_matter(device):
+    """The op must use the outliers and the factors: dropping either changes the output by
+    far more than the tolerance (so the equality tests above can fail)."""
+    B, H, T, D = 1, 2, 256, 64
+    cache = gear_cache("gear-2", B, H, T, D, torch.float16, device, steps=64)
+    q = torch.randn(B, 4, D, dtype=torch.float16, device=device) * 2
+    out = fused(cache, q).float()
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    kc, ks, kz, kr, kg = kst.attention_operands()
+    vc, vs, vz, vr, vg = vst.attention_operands()
+    scale = D ** -0.5
+
+    def run(kg_, vg_):
+        return _ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_,
+                                          kst.T0, 64, scale).float()
+
+    torch.testing.assert_close(run(kg, vg), out, rtol=0, atol=0)
+    e = torch.empty(0, device=device)
+    for drop in ([0, 1, 4, 5], [2, 3, 6, 7]):  # low rank, outliers
+        kg2 = [e if j in drop else t for j, t in enumerate(kg)]
+        vg2 = [e if j in drop else t for j, t in enumerate(vg)]
+        diff = (run(kg2, vg2) - out).norm() / out.norm()
+        assert diff > 1e-2, (drop, diff)
+
+
+def test_kcvt_backbone_falls_back():
+    cache = gear_cache("gear-4", 1, 2, 100, 64, torch.float16, "cpu", steps=25)
+    q = torch.randn(1, 4, 64, dtype=torch.float16)
+    with pytest.warns(RuntimeWarning, match="no fused kernel"):
+        check(cache, q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input(device):
+    cache = gear_cache("gear-2", 1, 2, 128, 64, torch.float16, device, steps=64)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    kc, ks, kz, kr, kg = kst.attention_operands()
+    vc, vs, vz, vr, vg = vst.attention_operands()
+    q = torch.randn(1, 4, 64, dtype=torch.float16, device=device)
+
+    def call(kg_=kg, vg_=vg, t0=kst.T0, nb=64):
+        return _ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_, t0, nb, 0.1)
+
+    with pytest.raises(RuntimeError, match="k_gear"):
+        call(kg_=kg[:7])
+    with pytest.raises(RuntimeError, match="prefill_tokens"):
+        call(t0=100)
+    with pytest.raises(RuntimeError, match="block_tokens"):
+        call(nb=0)
+    bad = list(vg)
+    bad[0] = bad[0].float()
+    with pytest.raises(RuntimeError, match="v_gear A0"):
+        call(vg_=bad)
+    bad = list(kg)
+    bad[3] = bad[3].to(torch.int64)
+    with pytest.raises(RuntimeError, match="k_gear oi0"):
+        call(kg_=bad)
+    if device == "cpu":
+        saved = kg[7].clone()
+        kg[7].fill_(200)  # token indices beyond the 64-token blocks (same strides)
+        with pytest.raises(RuntimeError, match="outside"):
+            call()
+        kg[7].copy_(saved)
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", FUSED)
+@pytest.mark.parametrize("D,dtype", [(128, torch.float16), (64, torch.bfloat16), (256, torch.float16)])
+def test_cuda_long_matches_cpu(preset, D, dtype):
+    """Many tiles per warp through the prefill block (cursor walk over long outlier lists),
+    several decode blocks, and the split combine."""
+    B, H, T = 2, 2, 4096
+    cache = gear_cache(preset, B, H, T, D, dtype, "cuda", steps=200, seed=7)
+    q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
+    out = fused(cache, q) if dtype == torch.float16 else kvq.decode_attention(q, cache, 0)
+    cpu = kvq.KVCache(preset)
+    cpu.load_state_dict({k: v.cpu() for k, v in cache.state_dict().items()})
+    ref = kvq.decode_attention(q.cpu(), cpu, 0)
+    err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
+    assert err < (1.5e-2 if dtype == torch.bfloat16 else 4e-3), err
+
+
+@requires_cuda
+def test_cuda_graph_capture():
+    cache = gear_cache("gear-2", 2, 2, 1024, 128, torch.float16, "cuda", steps=64)
+    q = torch.randn(2, 8, 128, dtype=torch.float16, device="cuda")
+    eager = kvq.decode_attention(q, cache, 0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kvq.decode_attention(q, cache, 0)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kvq.decode_attention(q, cache, 0)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
