@@ -319,7 +319,8 @@ struct RawMinMax {
     if constexpr (sizeof(DType) == 4) {
       return __float_as_uint(fminf(__uint_as_float(a), __uint_as_float(b)));
     } else if constexpr (std::is_same<DType, half_t>::value) {
-      __half2 r = __hmin2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+      __half2 r = __hmin2(*reinterpret_cast<const __half2*>(&a),
+                          *reinterpret_cast<const __half2*>(&b));
       return *reinterpret_cast<const uint32_t*>(&r);
     } else {
       __nv_bfloat162 r = __hmin2(*reinterpret_cast<const __nv_bfloat162*>(&a),
@@ -331,7 +332,8 @@ struct RawMinMax {
     if constexpr (sizeof(DType) == 4) {
       return __float_as_uint(fmaxf(__uint_as_float(a), __uint_as_float(b)));
     } else if constexpr (std::is_same<DType, half_t>::value) {
-      __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+      __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&a),
+                          *reinterpret_cast<const __half2*>(&b));
       return *reinterpret_cast<const uint32_t*>(&r);
     } else {
       __nv_bfloat162 r = __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&a),
@@ -626,7 +628,8 @@ __global__ void __launch_bounds__(128) GroupDequantizePerChannelKernel(GroupQuan
       zr[i] = half_bits_to_float(hz[i]);
     }
   }
-  const char* cbase = reinterpret_cast<const char*>(p.codes + grp * p.group * W) + k * (LANE_BITS / 8);
+  const char* cbase =
+      reinterpret_cast<const char*>(p.codes + grp * p.group * W) + k * (LANE_BITS / 8);
   uint4* obase = reinterpret_cast<uint4*>(static_cast<DType*>(p.out) + grp * p.group * D) + k;
   auto load_bits = [&](int64_t t) -> uint64_t {
     const char* a = cbase + t * (W * 4);
@@ -782,12 +785,15 @@ template <typename DType, int EPL, int BITS>
 cudaError_t GroupDequantize(const GroupQuantParams& p, cudaStream_t stream) {
   if (p.N * p.T == 0) return cudaSuccess;
   constexpr int D = EPL * 32;
-  if (p.per_channel && ((reinterpret_cast<uintptr_t>(p.scale) | reinterpret_cast<uintptr_t>(p.zero)) % 16) == 0) {
+  const uintptr_t sz_addr =
+      reinterpret_cast<uintptr_t>(p.scale) | reinterpret_cast<uintptr_t>(p.zero);
+  if (p.per_channel && sz_addr % 16 == 0) {
     // chunks of up to 64 tokens of one group; 128 threads = 128 / CPL token slices
     const int64_t tokens = p.group < 64 ? p.group : 64;
     const int64_t chunks = (p.group + tokens - 1) / tokens;
     const int64_t blocks = p.N * (p.T / p.group) * chunks;
-    GroupDequantizePerChannelKernel<DType, D, BITS><<<(unsigned)blocks, 128, 0, stream>>>(p, chunks, tokens);
+    GroupDequantizePerChannelKernel<DType, D, BITS>
+        <<<(unsigned)blocks, 128, 0, stream>>>(p, chunks, tokens);
     return cudaGetLastError();
   }
   constexpr int ROWS = 4, THREADS = 256;
