@@ -45,7 +45,10 @@ int main(int argc, char** argv) {
   kvq_bench::print_header();
   struct Case { const char* name; bool per_channel; int64_t group; int bits; };
   const Case cases[] = {{"quantize key per-channel G=32 2b", true, 32, 2},
+                        {"quantize key per-channel G=64 2b", true, 64, 2},
                         {"quantize key per-channel G=128 2b", true, 128, 2},
+                        {"quantize key KCVT G=T 2b", true, T, 2},
+                        {"quantize key KCVT G=T 4b", true, T, 4},
                         {"quantize key per-channel G=32 4b", true, 32, 4},
                         {"quantize value per-token G=32 2b", false, 32, 2},
                         {"quantize value per-token G=32 4b", false, 32, 4},
@@ -63,6 +66,10 @@ int main(int argc, char** argv) {
     p.group = c.group;
     p.bits = c.bits;
     p.per_channel = c.per_channel;
+    float* ws = nullptr;  // scratch of the split-T (KCVT) path
+    const int64_t ws_floats = quant::group_quantize_ws_floats(p, DTypeId::kFloat16);
+    if (ws_floats > 0) BENCH_CUDA_CHECK(cudaMalloc(&ws, ws_floats * sizeof(float)));
+    p.ws = ws;
     const double groups = c.per_channel ? (double)B * H * (T / c.group) * D : (double)B * H * T * (D / c.group);
     const double bytes = n * 2.0 + n * c.bits / 8.0 + groups * 4.0;
     auto r = h.time([&](cudaStream_t s) { BENCH_CUDA_CHECK(quant::group_quantize_cuda(p, DTypeId::kFloat16, s)); });
@@ -70,6 +77,7 @@ int main(int argc, char** argv) {
     p.out = out;
     auto rd = h.time([&](cudaStream_t s) { BENCH_CUDA_CHECK(quant::group_dequantize_cuda(p, DTypeId::kFloat16, s)); });
     kvq_bench::print_row(std::string("de") + c.name, shape, rd, bytes, copy_bw);
+    if (ws) cudaFree(ws);
   }
   cudaFree(x);
   cudaFree(out);

@@ -27,7 +27,9 @@ def main(argv=None):
     copy_bw = copy_bandwidth()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, copy {copy_bw / 1e9:.0f} GB/s")
     rows = []
-    cases = [("key per-channel", True, 32, 2), ("key per-channel", True, 128, 2), ("key per-channel", True, 32, 4),
+    cases = [("key per-channel", True, 32, 2), ("key per-channel", True, 64, 2), ("key per-channel", True, 128, 2),
+             ("key per-channel", True, 32, 4), ("key per-channel", True, 128, 4), ("key per-channel", True, 32, 8),
+             ("KCVT key (whole channel)", True, -1, 2),
              ("value per-token", False, 32, 2), ("value per-token", False, 32, 4), ("value per-token", False, -1, 4),
              ("KCVT key (whole channel)", True, -1, 4)]
     for name, pc, G, bits in cases:

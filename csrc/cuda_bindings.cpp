@@ -10,6 +10,14 @@
 
 namespace kvq {
 
+// Scratch of the per-channel split-T quantize path (KCVT), when the launch will use it.
+static void alloc_quant_ws(QuantizeCall& c, DTypeId dt) {
+  const int64_t n = quant::group_quantize_ws_floats(c.params, dt);
+  if (n <= 0) return;
+  c.ws = at::empty({n}, c.x.options().dtype(at::kFloat));
+  c.params.ws = c.ws.data_ptr<float>();
+}
+
 #define KVQ_CUDA_CALL(op, expr)                                                  \
   do {                                                                           \
     cudaError_t err_ = translate_errors([&] { return (expr); });                 \
@@ -22,6 +30,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cuda(const at::Tensor& x
   c10::cuda::CUDAGuard guard(x.device());
   QuantizeCall c = prepare_quantize(x, bits, group_size, per_channel, check_finite);
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  alloc_quant_ws(c, dtype_id(c.x.scalar_type()));
   KVQ_CUDA_CALL("quantize", quant::group_quantize_cuda(c.params, dtype_id(c.x.scalar_type()), stream));
   if (check_finite) raise_status("quantize", "x", c.status.item<int32_t>());
   return {c.codes, c.scale, c.zero};
@@ -102,6 +111,7 @@ GearTuple gear_compress_cuda(const at::Tensor& x, int64_t bits, int64_t group_si
     KVQ_CUDA_CALL(op, select::outlier_select_cuda(c.sel.params, dt, c.sel.index_bytes, stream));
     KVQ_CUDA_CALL(op, gear::gear_clamp_cuda(c.gear, dt, stream));
   }
+  alloc_quant_ws(c.quant, dt);
   KVQ_CUDA_CALL(op, quant::group_quantize_cuda(c.quant.params, dt, stream));
   KVQ_CUDA_CALL(op, gear::gear_residual_cuda(c.gear, dt, stream));
   if (c.k > 0) KVQ_CUDA_CALL(op, gear::gear_zero_outliers_cuda(c.gear, c.sel.index_bytes, stream));

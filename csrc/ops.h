@@ -17,6 +17,7 @@ namespace kvq {
 /// Validated arguments and freshly allocated outputs of one quantize call.
 struct QuantizeCall {
   at::Tensor x, codes, scale, zero, status;
+  at::Tensor ws;  // CUDA scratch (per-channel split-T path), allocated by the CUDA binding
   quant::GroupQuantParams params;
 };
 QuantizeCall prepare_quantize(const at::Tensor& x, int64_t bits, int64_t group_size,

@@ -236,3 +236,102 @@ def test_torch_compile_smoke():
     x = make_kv(1, 2, 64, 64, torch.float32)
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(x)
     torch.testing.assert_close(out, f(x))
+
+
+# ----------------------------------------------------------------------------- per-channel kernels
+# The CUDA per-channel quantize picks one of three kernels from (dtype, D, G): the tile kernel
+# (a thread owns 16 bytes of channels and 8 tokens; G % 8 == 0 and G / 8 * D / (16 / itemsize)
+# a whole number of warps <= 512 threads), the split-T kernels (G >= 256 otherwise: KCVT), or the
+# block-per-group kernel (everything else).  Codes, scales and zeros must equal the CPU op's.
+def _quantize_both(x, bits, G, check_finite=True):
+    c1, s1, z1 = kvq.quantize(x, bits, G, True, check_finite=check_finite)
+    c2, s2, z2 = kvq.quantize(x.cuda(), bits, G, True, check_finite=check_finite)
+    assert torch.equal(s1.view(torch.int16), s2.cpu().view(torch.int16)), "scale bits differ"
+    assert torch.equal(z1.view(torch.int16), z2.cpu().view(torch.int16)) or torch.equal(z1, z2.cpu()), \
+        "zero differs"
+    assert torch.equal(c1, c2.cpu()), "codes differ"
+    return c2, s2, z2
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("D", [32, 64, 128, 256])
+@pytest.mark.parametrize("G", [8, 16, 24, 32, 64, 128, 256, 512])
+def test_cuda_per_channel_equals_cpu(dtype, bits, D, G):
+    x = make_kv(3, 1, 3 * G, D, dtype)
+    c2, s2, z2 = _quantize_both(x, bits, G)
+    o1 = kvq.dequantize(c2.cpu(), s2.cpu(), z2.cpu(), bits, True, dtype)
+    o2 = kvq.dequantize(c2, s2, z2, bits, True, dtype)
+    torch.testing.assert_close(o2.cpu().float(), o1.float(), rtol=2e-3, atol=1e-5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 17, 255, 256, 1025, 4096, 5137])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_kcvt_equals_cpu(T, D, dtype, bits):
+    """Whole-channel groups (G = T): split-T min/max partials + re-read for T >= 256."""
+    x = make_kv(2, 2, T, D, dtype)
+    x[0, 1, T // 2, 3] = 40.0  # one extreme inside a middle chunk
+    c2, s2, z2 = _quantize_both(x, bits, -1)
+    assert s2.shape == (2, 2, 1, D)
+    o1 = kvq.dequantize(c2.cpu(), s2.cpu(), z2.cpu(), bits, True, dtype)
+    o2 = kvq.dequantize(c2, s2, z2, bits, True, dtype)
+    torch.testing.assert_close(o2.cpu().float(), o1.float(), rtol=2e-3, atol=1e-5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("G,T", [(32, 64), (128, 256), (-1, 1025), (-1, 17)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_per_channel_status(G, T, dtype):
+    x = make_kv(2, 3, T, 128, dtype, "cuda")
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[1, 2, T - 1, 127] = bad
+        with pytest.raises(RuntimeError, match="'x' contains NaN or Inf"):
+            kvq.quantize(y, 4, G, True)
+    if dtype == torch.float32:
+        with pytest.raises(RuntimeError, match="65504"):
+            kvq.quantize(x * 1e6, 4, G, True)
+    # check off: a non-finite entry spoils only its own group (same as the CPU op)
+    y = x.clone()
+    y[0, 1, T // 2, 10] = float("inf")
+    _quantize_both(y.cpu(), 4, G, check_finite=False)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_per_channel_constant_groups(dtype, bits):
+    vals = torch.tensor([0.0, -3.5, 1.25, 1000.0, -0.0078125])
+    for G, T in [(32, 64), (-1, 512)]:
+        x = vals[torch.randint(0, len(vals), (1, 2, 1, 128))].expand(1, 2, T, 128).to(dtype)
+        c, s, z = _quantize_both(x, bits, G)
+        assert (s == 0).all()
+        assert torch.equal(kvq.dequantize(c, s, z, bits, True, dtype).cpu(), x)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_cuda_per_channel_dequantize_unaligned_scale(dtype, bits, D):
+    """scale / zero views not 16-byte aligned take the warp-per-row dequantize kernel."""
+    x = make_kv(2, 2, 96, D, dtype)
+    c, s, z = kvq.quantize(x, bits, 32, True)
+    ref = kvq.dequantize(c, s, z, bits, True, dtype)
+
+    def shifted(t):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")
+        v = buf[1:].view(t.shape)
+        v.copy_(t)
+        return v
+
+    ss, zs = shifted(s), shifted(z)
+    assert ss.data_ptr() % 16 != 0
+    out = kvq.dequantize(c.cuda(), ss, zs, bits, True, dtype)
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2e-3, atol=1e-5)
+    out = kvq.dequantize(c.cuda(), s.cuda(), z.cuda(), bits, True, dtype)
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2e-3, atol=1e-5)

@@ -15,6 +15,13 @@ cudaError_t group_quantize_cuda(const GroupQuantParams& p, DTypeId dtype, cudaSt
   });
 }
 
+int64_t group_quantize_ws_floats(const GroupQuantParams& p, DTypeId dtype) {
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&] {
+    return KVQ_DISPATCH_HEAD_DIM_EPL(p.D, EPL,
+                                     [&] { return GroupQuantizeWsFloats<DType, EPL>(p); });
+  });
+}
+
 cudaError_t group_dequantize_cuda(const GroupQuantParams& p, DTypeId dtype, cudaStream_t stream) {
   return KVQ_DISPATCH_DTYPE(dtype, DType, [&] {
     return KVQ_DISPATCH_BITS(p.bits, BITS, [&] {

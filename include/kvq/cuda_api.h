@@ -10,7 +10,10 @@
 namespace kvq {
 namespace quant {
 
-/// \brief Group-quantize and pack p.x into p.codes / p.scale / p.zero.
+/// \brief Floats of scratch p.ws that group_quantize_cuda uses for p (0: none; p.ws may stay
+/// null, and a null p.ws always works, through a slower kernel).
+int64_t group_quantize_ws_floats(const GroupQuantParams& p, DTypeId dtype);
+/// \brief Group-quantize and pack p.x into p.codes / p.scale / p.zero (scratch: p.ws).
 cudaError_t group_quantize_cuda(const GroupQuantParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief Unpack and dequantize p.codes / p.scale / p.zero into p.out.
 cudaError_t group_dequantize_cuda(const GroupQuantParams& p, DTypeId dtype, cudaStream_t stream);

@@ -9,6 +9,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "kvq/common/half.h"
 #include "kvq/quant/group_quant.h"
 
@@ -279,6 +281,390 @@ __global__ void __launch_bounds__(WARPS * 32)
 }
 
 // ---------------------------------------------------------------------------
+// Per-channel quantization, "lane owns channels, loops over tokens" (v6).
+// A thread owns VE = 16 / sizeof(DType) consecutive channels (one 16-byte load per token) and
+// a strided subset of the group's tokens; a token row is CPL = D / VE threads wide, so a
+// warp's load of one step covers 32 / CPL whole rows (contiguous).  min/max is accumulated on
+// the raw 16-bit values (HMNMX2: exact, two elements per instruction), combined over the
+// thread slices in shared memory, and the thread's tokens stay in registers for the pack.
+// Codes: (x - zero) * inv clamped below at 0 and rounded by adding 1.5 * 2^23 (the fp32 add
+// rounds to nearest even, like __float2int_rn / nearbyint); the code is then the low bits of
+// the sum and a lane packs its VE codes with one LEA each (the constant high bits are
+// subtracted once per word).  No upper clamp is needed: with zero <= min, scale >= range /
+// maxq rounded up and three fp32 roundings, (x - zero) * inv <= maxq * (1 + 4 * 2^-24) for
+// every finite x of the group, which rounds to <= maxq; a NaN product (only with the finite
+// check off) becomes 0 through fmaxf, as in quant_code().  Bit-identical to quant_code().
+// ---------------------------------------------------------------------------
+
+/// \brief Elementwise min/max of 16 bytes of DType held as raw bits (exact for every type).
+template <typename DType>
+struct RawMinMax {
+  uint4 mn, mx;
+  __device__ __forceinline__ void init() {
+    uint32_t pinf, ninf;
+    if constexpr (sizeof(DType) == 4) {
+      pinf = 0x7f800000u;
+      ninf = 0xff800000u;
+    } else if constexpr (std::is_same<DType, half_t>::value) {
+      pinf = 0x7c007c00u;
+      ninf = 0xfc00fc00u;
+    } else {
+      pinf = 0x7f807f80u;
+      ninf = 0xff80ff80u;
+    }
+    mn = make_uint4(pinf, pinf, pinf, pinf);
+    mx = make_uint4(ninf, ninf, ninf, ninf);
+  }
+  __device__ __forceinline__ static uint32_t vmin(uint32_t a, uint32_t b) {
+    if constexpr (sizeof(DType) == 4) {
+      return __float_as_uint(fminf(__uint_as_float(a), __uint_as_float(b)));
+    } else if constexpr (std::is_same<DType, half_t>::value) {
+      __half2 r = __hmin2(*reinterpret_cast<const __half2*>(&a),
+                          *reinterpret_cast<const __half2*>(&b));
+      return *reinterpret_cast<const uint32_t*>(&r);
+    } else {
+      __nv_bfloat162 r = __hmin2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                 *reinterpret_cast<const __nv_bfloat162*>(&b));
+      return *reinterpret_cast<const uint32_t*>(&r);
+    }
+  }
+  __device__ __forceinline__ static uint32_t vmax(uint32_t a, uint32_t b) {
+    if constexpr (sizeof(DType) == 4) {
+      return __float_as_uint(fmaxf(__uint_as_float(a), __uint_as_float(b)));
+    } else if constexpr (std::is_same<DType, half_t>::value) {
+      __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&a),
+                          *reinterpret_cast<const __half2*>(&b));
+      return *reinterpret_cast<const uint32_t*>(&r);
+    } else {
+      __nv_bfloat162 r = __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                 *reinterpret_cast<const __nv_bfloat162*>(&b));
+      return *reinterpret_cast<const uint32_t*>(&r);
+    }
+  }
+  __device__ __forceinline__ void update(const uint4& v) {
+    mn = make_uint4(vmin(mn.x, v.x), vmin(mn.y, v.y), vmin(mn.z, v.z), vmin(mn.w, v.w));
+    mx = make_uint4(vmax(mx.x, v.x), vmax(mx.y, v.y), vmax(mx.z, v.z), vmax(mx.w, v.w));
+  }
+};
+
+/// \brief Sum over the first M codes of a word of (bits of 1.5 * 2^23) << (i * BITS), mod 2^32.
+template <int BITS>
+__host__ __device__ constexpr uint32_t magic_word_sum(int m) {
+  uint32_t s = 0;
+  for (int i = 0; i < m; ++i) s += 0x4b400000u << (i * BITS);
+  return s;
+}
+
+/// \brief Quantize the VE values of one 16-byte load and store their VE * BITS packed bits at
+/// byte offset k * VE * BITS / 8 of the codes row (LSB-first, little-endian).
+template <typename DType, int BITS>
+__device__ __forceinline__ void quantize_pack_store(const uint4& raw, const float* z,
+                                                    const float* inv, int32_t* row, int k,
+                                                    bool check, int32_t& status) {
+  constexpr int VE = 16 / (int)sizeof(DType);
+  constexpr int LANE_BITS = VE * BITS;
+  constexpr int CPW = 32 / BITS;
+  constexpr int NW = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;  // 32-bit accumulators
+  constexpr int PER_W = VE < CPW ? VE : CPW;                 // codes per accumulator
+  const DType* e = reinterpret_cast<const DType*>(&raw);
+  float v[VE];
+#pragma unroll
+  for (int i = 0; i < VE; ++i) v[i] = to_float(e[i]);
+  if (check) {
+#pragma unroll
+    for (int i = 0; i < VE; ++i) status |= value_status(v[i]);
+  }
+  uint32_t w[NW];
+#pragma unroll
+  for (int i = 0; i < VE; ++i) {
+    const float q = fmaxf((v[i] - z[i]) * inv[i], 0.f);
+    const uint32_t b = __float_as_uint(q + 12582912.f);  // 0x4b400000 + rint(q)
+    const int j = i / PER_W, sh = (i % PER_W) * BITS;
+    w[j] = (i % PER_W == 0) ? b : w[j] + (b << sh);
+  }
+#pragma unroll
+  for (int j = 0; j < NW; ++j) w[j] -= magic_word_sum<BITS>(PER_W);
+  char* dst = reinterpret_cast<char*>(row) + k * (LANE_BITS / 8);
+  if constexpr (LANE_BITS == 8) {
+    *reinterpret_cast<uint8_t*>(dst) = (uint8_t)w[0];
+  } else if constexpr (LANE_BITS == 16) {
+    *reinterpret_cast<uint16_t*>(dst) = (uint16_t)w[0];
+  } else if constexpr (LANE_BITS == 32) {
+    *reinterpret_cast<uint32_t*>(dst) = w[0];
+  } else {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  }
+}
+
+/// \brief Load zero / inv of channels [k * VE, (k + 1) * VE) from shared memory.
+template <int VE>
+__device__ __forceinline__ void load_qp(const float* s_zero, const float* s_inv, int k,
+                                        float (&z)[VE], float (&inv)[VE]) {
+#pragma unroll
+  for (int i = 0; i < VE; i += 4) {
+    const float4 a = *reinterpret_cast<const float4*>(s_zero + k * VE + i);
+    const float4 b = *reinterpret_cast<const float4*>(s_inv + k * VE + i);
+    z[i] = a.x, z[i + 1] = a.y, z[i + 2] = a.z, z[i + 3] = a.w;
+    inv[i] = b.x, inv[i + 1] = b.y, inv[i + 2] = b.z, inv[i + 3] = b.w;
+  }
+}
+
+/// One block per group of G = TPT * (blockDim.x / CPL) tokens; every token in registers.
+/// Dynamic shared memory: 2 * blockDim.x * 16 + 2 * D * 4 bytes.
+template <typename DType, int D, int BITS, int TPT>
+__global__ void __launch_bounds__(512) GroupQuantizePerChannelTileKernel(GroupQuantParams p) {
+  constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE, W = D * BITS / 32;
+  extern __shared__ __align__(16) unsigned char kvq_smem[];
+  const int S = blockDim.x / CPL;  // token slices
+  const int k = threadIdx.x % CPL, s = threadIdx.x / CPL;
+  const int64_t grp = blockIdx.x;  // n * (T / G) + g; its rows are [grp * G, grp * G + G)
+  const int64_t G = (int64_t)S * TPT;
+  const uint4* src = reinterpret_cast<const uint4*>(p.x) + (grp * G + s) * CPL + k;
+  uint4 raw[TPT];
+#pragma unroll
+  for (int i = 0; i < TPT; ++i) raw[i] = __ldcs(src + (int64_t)i * S * CPL);  // token s + i S
+  RawMinMax<DType> mm;
+  mm.init();
+#pragma unroll
+  for (int i = 0; i < TPT; ++i) mm.update(raw[i]);
+  uint4* s_mn = reinterpret_cast<uint4*>(kvq_smem);  // [S][D] DType
+  uint4* s_mx = s_mn + blockDim.x;
+  float* s_zero = reinterpret_cast<float*>(s_mx + blockDim.x);
+  float* s_inv = s_zero + D;
+  s_mn[threadIdx.x] = mm.mn;  // = element (s, k * VE)
+  s_mx[threadIdx.x] = mm.mx;
+  __syncthreads();
+  const DType* emn = reinterpret_cast<const DType*>(s_mn);
+  const DType* emx = reinterpret_cast<const DType*>(s_mx);
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    float a = INFINITY, b = -INFINITY;
+    for (int j = 0; j < S; ++j) {
+      a = fminf(a, to_float(emn[j * D + c]));
+      b = fmaxf(b, to_float(emx[j * D + c]));
+    }
+    const QParams q = make_qparams(a, b, BITS);
+    p.scale[grp * D + c] = q.s16;
+    p.zero[grp * D + c] = q.z16;
+    s_zero[c] = q.zero;
+    s_inv[c] = q.inv;
+  }
+  __syncthreads();
+  float z[VE], inv[VE];
+  load_qp<VE>(s_zero, s_inv, k, z, inv);
+  const bool check = p.status != nullptr;
+  int32_t status = 0;
+  int32_t* codes = p.codes + (grp * G + s) * W;
+#pragma unroll
+  for (int i = 0; i < TPT; ++i)
+    quantize_pack_store<DType, BITS>(raw[i], z, inv, codes + (int64_t)i * S * W, k, check, status);
+  if (check) report_status(p.status, status);
+}
+
+// ---------------------------------------------------------------------------
+// Per-channel quantization of large groups (KCVT: G = T), split over T in three launches:
+//   1. GroupMinMaxPartialKernel: block (group, chunk) -> per-channel min/max of the chunk's
+//      tokens into ws partial [NG][C][2][D] (float).
+//   2. GroupQParamsKernel: block per group reduces its C partials, writes scale / zero and
+//      ws qp [NG][2][D] (zero, inv as float).
+//   3. GroupQuantizeChunkKernel: block (group, chunk) re-reads its tokens and packs them.
+//      Blocks run in reverse order so the first ones find the data pass 1 read last in L2.
+// ---------------------------------------------------------------------------
+struct SplitPlan {
+  int64_t ng = 0;      // groups N * T / G
+  int64_t chunks = 0;  // C, per group
+  int64_t tokens = 0;  // per chunk (the last one may be shorter)
+};
+
+inline SplitPlan split_plan(const GroupQuantParams& p, int sms) {
+  SplitPlan s;
+  s.ng = p.N * (p.T / p.group);
+  const int64_t target = (int64_t)sms * 8;  // blocks of 256 threads
+  int64_t c = (target + s.ng - 1) / s.ng;
+  const int64_t cmax = (p.group + 127) / 128;  // at least 128 tokens per chunk
+  s.chunks = c < 1 ? 1 : c > cmax ? cmax : c;
+  s.tokens = (p.group + s.chunks - 1) / s.chunks;
+  s.chunks = (p.group + s.tokens - 1) / s.tokens;
+  return s;
+}
+
+template <typename DType, int D>
+__global__ void __launch_bounds__(256) GroupMinMaxPartialKernel(GroupQuantParams p, int64_t chunks,
+                                                                 int64_t tokens) {
+  constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE;
+  constexpr int S = 256 / CPL, U = 4;
+  __shared__ uint4 s_mn[256], s_mx[256];
+  const int k = threadIdx.x % CPL, s = threadIdx.x / CPL;
+  const int64_t grp = blockIdx.x / chunks, j = blockIdx.x % chunks;
+  const int64_t t0 = j * tokens, t1 = t0 + tokens < p.group ? t0 + tokens : p.group;
+  const uint4* src = reinterpret_cast<const uint4*>(p.x) + (grp * p.group) * CPL + k;
+  const bool check = p.status != nullptr;
+  int32_t status = 0;
+  RawMinMax<DType> mm;
+  mm.init();
+  int64_t t = t0 + s;
+  for (; t + (U - 1) * S < t1; t += U * S) {
+    uint4 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) r[u] = src[(t + u * S) * CPL];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      mm.update(r[u]);
+      if (check) {
+        const DType* e = reinterpret_cast<const DType*>(&r[u]);
+#pragma unroll
+        for (int i = 0; i < VE; ++i) status |= value_status(to_float(e[i]));
+      }
+    }
+  }
+  for (; t < t1; t += S) {
+    const uint4 r = src[t * CPL];
+    mm.update(r);
+    if (check) {
+      const DType* e = reinterpret_cast<const DType*>(&r);
+#pragma unroll
+      for (int i = 0; i < VE; ++i) status |= value_status(to_float(e[i]));
+    }
+  }
+  s_mn[threadIdx.x] = mm.mn;
+  s_mx[threadIdx.x] = mm.mx;
+  __syncthreads();
+  const DType* emn = reinterpret_cast<const DType*>(s_mn);
+  const DType* emx = reinterpret_cast<const DType*>(s_mx);
+  float* out = p.ws + (grp * chunks + j) * 2 * D;
+  for (int c = threadIdx.x; c < D; c += 256) {
+    float a = INFINITY, b = -INFINITY;
+#pragma unroll 4
+    for (int q = 0; q < S; ++q) {
+      a = fminf(a, to_float(emn[q * D + c]));
+      b = fmaxf(b, to_float(emx[q * D + c]));
+    }
+    out[c] = a;
+    out[D + c] = b;
+  }
+  if (check) report_status(p.status, status);
+}
+
+template <int D, int BITS>
+__global__ void __launch_bounds__(D) GroupQParamsKernel(GroupQuantParams p, int64_t ng,
+                                                          int64_t chunks) {
+  const int c = threadIdx.x;
+  const int64_t grp = blockIdx.x;
+  const float* part = p.ws + grp * chunks * 2 * D;
+  float a = INFINITY, b = -INFINITY;
+  for (int64_t j = 0; j < chunks; ++j) {
+    a = fminf(a, part[j * 2 * D + c]);
+    b = fmaxf(b, part[j * 2 * D + D + c]);
+  }
+  const QParams q = make_qparams(a, b, BITS);
+  p.scale[grp * D + c] = q.s16;
+  p.zero[grp * D + c] = q.z16;
+  float* qp = p.ws + ng * chunks * 2 * D + grp * 2 * D;
+  qp[c] = q.zero;
+  qp[D + c] = q.inv;
+}
+
+template <typename DType, int D, int BITS>
+__global__ void __launch_bounds__(256) GroupQuantizeChunkKernel(GroupQuantParams p, int64_t ng,
+                                                                 int64_t chunks, int64_t tokens) {
+  constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE, W = D * BITS / 32;
+  constexpr int S = 256 / CPL, U = 4;
+  __shared__ __align__(16) float s_qp[2 * D];
+  const int k = threadIdx.x % CPL, s = threadIdx.x / CPL;
+  const int64_t b = (int64_t)gridDim.x - 1 - blockIdx.x;  // reverse order: L2 reuse
+  const int64_t grp = b / chunks, j = b % chunks;
+  const int64_t t0 = j * tokens, t1 = t0 + tokens < p.group ? t0 + tokens : p.group;
+  const float* qp = p.ws + ng * chunks * 2 * D + grp * 2 * D;
+  for (int c = threadIdx.x; c < 2 * D; c += 256) s_qp[c] = qp[c];
+  __syncthreads();
+  float z[VE], inv[VE];
+  load_qp<VE>(s_qp, s_qp + D, k, z, inv);
+  const uint4* src = reinterpret_cast<const uint4*>(p.x) + (grp * p.group) * CPL + k;
+  int32_t* codes = p.codes + grp * p.group * W;
+  int32_t dummy = 0;
+  int64_t t = t0 + s;
+  for (; t + (U - 1) * S < t1; t += U * S) {
+    uint4 r[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) r[u] = __ldcs(src + (t + u * S) * CPL);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      quantize_pack_store<DType, BITS>(r[u], z, inv, codes + (t + u * S) * W, k, false, dummy);
+  }
+  for (; t < t1; t += S)
+    quantize_pack_store<DType, BITS>(__ldcs(src + t * CPL), z, inv, codes + t * W, k, false, dummy);
+}
+
+// ---------------------------------------------------------------------------
+// Per-channel dequantization: a thread owns VE channels (one 16-byte store per token) and
+// loops over a chunk of one group's tokens with that group's scale / zero in registers.
+// Code -> float by OR-ing it into the mantissa of 2^23 and subtracting 2^23 (exact).
+// Requires 16-byte-aligned scale / zero (else the warp-per-row kernel runs).
+// ---------------------------------------------------------------------------
+template <typename DType, int D, int BITS>
+__global__ void __launch_bounds__(128) GroupDequantizePerChannelKernel(GroupQuantParams p,
+                                                                        int64_t chunks,
+                                                                        int64_t tokens) {
+  constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE, W = D * BITS / 32;
+  constexpr int LANE_BITS = VE * BITS, S = 128 / CPL, U = 4;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int k = threadIdx.x % CPL, s = threadIdx.x / CPL;
+  const int64_t grp = blockIdx.x / chunks, j = blockIdx.x % chunks;
+  const int64_t t0 = j * tokens, t1 = t0 + tokens < p.group ? t0 + tokens : p.group;
+  float sc[VE], zr[VE];
+  {
+    const uint16_t* ps = p.scale + grp * D + k * VE;
+    const uint16_t* pz = p.zero + grp * D + k * VE;
+    uint16_t hs[VE], hz[VE];
+    if constexpr (VE == 8) {
+      *reinterpret_cast<uint4*>(hs) = *reinterpret_cast<const uint4*>(ps);
+      *reinterpret_cast<uint4*>(hz) = *reinterpret_cast<const uint4*>(pz);
+    } else {
+      *reinterpret_cast<uint2*>(hs) = *reinterpret_cast<const uint2*>(ps);
+      *reinterpret_cast<uint2*>(hz) = *reinterpret_cast<const uint2*>(pz);
+    }
+#pragma unroll
+    for (int i = 0; i < VE; ++i) {
+      sc[i] = half_bits_to_float(hs[i]);
+      zr[i] = half_bits_to_float(hz[i]);
+    }
+  }
+  const char* cbase =
+      reinterpret_cast<const char*>(p.codes + grp * p.group * W) + k * (LANE_BITS / 8);
+  uint4* obase = reinterpret_cast<uint4*>(static_cast<DType*>(p.out) + grp * p.group * D) + k;
+  auto load_bits = [&](int64_t t) -> uint64_t {
+    const char* a = cbase + t * (W * 4);
+    if constexpr (LANE_BITS == 8) return *reinterpret_cast<const uint8_t*>(a);
+    else if constexpr (LANE_BITS == 16) return *reinterpret_cast<const uint16_t*>(a);
+    else if constexpr (LANE_BITS == 32) return *reinterpret_cast<const uint32_t*>(a);
+    else {
+      const uint2 v = *reinterpret_cast<const uint2*>(a);
+      return (uint64_t)v.x | ((uint64_t)v.y << 32);
+    }
+  };
+  auto emit = [&](int64_t t, uint64_t bits) {
+    uint4 o;
+    DType* e = reinterpret_cast<DType*>(&o);
+#pragma unroll
+    for (int i = 0; i < VE; ++i) {
+      const uint32_t word = (uint32_t)(bits >> (i * BITS >= 32 ? 32 : 0));
+      const uint32_t q = (word >> ((i * BITS) % 32)) & MASK;
+      const float f = __uint_as_float(0x4b000000u | q) - 8388608.f;  // == (float)q
+      e[i] = from_float<DType>(fmaf(f, sc[i], zr[i]));
+    }
+    __stcs(obase + t * CPL, o);
+  };
+  int64_t t = t0 + s;
+  for (; t + (U - 1) * S < t1; t += U * S) {
+    uint64_t b[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) b[u] = load_bits(t + u * S);
+#pragma unroll
+    for (int u = 0; u < U; ++u) emit(t + u * S, b[u]);
+  }
+  for (; t < t1; t += S) emit(t, load_bits(t));
+}
+
+// ---------------------------------------------------------------------------
 // Dequantization (both groupings): one warp per token row.
 // ---------------------------------------------------------------------------
 template <typename DType, int EPL, int BITS, int ROWS>
@@ -328,15 +714,54 @@ inline int num_sms() {
   return sms;
 }
 
+/// Tokens per thread of the per-channel tile kernel (TPT 16-byte loads held in registers).
+constexpr int kTileTokensPerThread = 8;
+
+/// \brief Block size of the per-channel tile kernel for group size G, or 0 where it does not
+/// apply (G * CPL / TPT must be a whole number of warps, at most 512 threads).
+template <typename DType, int D>
+inline int per_channel_tile_threads(int64_t G) {
+  constexpr int CPL = D / (16 / (int)sizeof(DType));
+  if (G <= 0 || G % kTileTokensPerThread != 0) return 0;
+  const int64_t threads = G / kTileTokensPerThread * CPL;
+  return (threads >= 32 && threads <= 512 && threads % 32 == 0) ? (int)threads : 0;
+}
+
+/// \brief Floats of p.ws the per-channel split-T path needs (0: p is not quantized that way).
+/// Used for per-channel groups of >= 256 tokens that the tile kernel does not cover (KCVT).
+template <typename DType, int EPL>
+int64_t GroupQuantizeWsFloats(const GroupQuantParams& p) {
+  constexpr int D = EPL * 32;
+  if (!p.per_channel || p.group < 256 || p.N * p.T == 0) return 0;
+  if (per_channel_tile_threads<DType, D>(p.group) > 0) return 0;
+  const SplitPlan sp = split_plan(p, num_sms());
+  return sp.ng * 2 * D * (sp.chunks + 1);
+}
+
 /// \brief Quantize and pack.  Requires D in {32, 64, 128, 256}; see GroupQuantParams.
 template <typename DType, int EPL, int BITS>
 cudaError_t GroupQuantize(const GroupQuantParams& p, cudaStream_t stream) {
   if (p.N * p.T == 0) return cudaSuccess;
   if (p.per_channel) {
-    constexpr int WARPS = 8;
+    constexpr int D = EPL * 32;
     const int64_t blocks = p.N * (p.T / p.group);
-    GroupQuantizePerChannelKernel<DType, EPL, BITS, WARPS>
-        <<<(unsigned)blocks, WARPS * 32, 0, stream>>>(p);
+    const int threads = per_channel_tile_threads<DType, D>(p.group);
+    if (threads > 0) {
+      const size_t smem = 2 * (size_t)threads * 16 + 2 * D * sizeof(float);
+      GroupQuantizePerChannelTileKernel<DType, D, BITS, kTileTokensPerThread>
+          <<<(unsigned)blocks, threads, smem, stream>>>(p);
+    } else if (p.ws != nullptr && GroupQuantizeWsFloats<DType, EPL>(p) > 0) {
+      const SplitPlan sp = split_plan(p, num_sms());
+      const unsigned nb = (unsigned)(sp.ng * sp.chunks);
+      GroupMinMaxPartialKernel<DType, D><<<nb, 256, 0, stream>>>(p, sp.chunks, sp.tokens);
+      GroupQParamsKernel<D, BITS><<<(unsigned)sp.ng, D, 0, stream>>>(p, sp.ng, sp.chunks);
+      GroupQuantizeChunkKernel<DType, D, BITS><<<nb, 256, 0, stream>>>(p, sp.ng, sp.chunks,
+                                                                        sp.tokens);
+    } else {
+      constexpr int WARPS = 8;
+      GroupQuantizePerChannelKernel<DType, EPL, BITS, WARPS>
+          <<<(unsigned)blocks, WARPS * 32, 0, stream>>>(p);
+    }
   } else if (p.group % 32 == 0) {
     constexpr int THREADS = 256;
     const int64_t items = p.N * p.T * (p.D / 32);
@@ -359,6 +784,18 @@ cudaError_t GroupQuantize(const GroupQuantParams& p, cudaStream_t stream) {
 template <typename DType, int EPL, int BITS>
 cudaError_t GroupDequantize(const GroupQuantParams& p, cudaStream_t stream) {
   if (p.N * p.T == 0) return cudaSuccess;
+  constexpr int D = EPL * 32;
+  const uintptr_t sz_addr =
+      reinterpret_cast<uintptr_t>(p.scale) | reinterpret_cast<uintptr_t>(p.zero);
+  if (p.per_channel && sz_addr % 16 == 0) {
+    // chunks of up to 64 tokens of one group; 128 threads = 128 / CPL token slices
+    const int64_t tokens = p.group < 64 ? p.group : 64;
+    const int64_t chunks = (p.group + tokens - 1) / tokens;
+    const int64_t blocks = p.N * (p.T / p.group) * chunks;
+    GroupDequantizePerChannelKernel<DType, D, BITS>
+        <<<(unsigned)blocks, 128, 0, stream>>>(p, chunks, tokens);
+    return cudaGetLastError();
+  }
   constexpr int ROWS = 4, THREADS = 256;
   const int64_t warps_needed = (p.N * p.T + ROWS - 1) / ROWS;
   int64_t blocks = (warps_needed + THREADS / 32 - 1) / (THREADS / 32);

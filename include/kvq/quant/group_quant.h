@@ -36,6 +36,8 @@ struct GroupQuantParams {
   uint16_t* scale;      // fp16 bits; [N, T / G, D] per-channel, [N, T, D / G] per-token
   uint16_t* zero;       // same shape as scale
   int32_t* status;      // optional [1] flag, OR of StatusFlag (nullptr: no finite check)
+  float* ws = nullptr;  // CUDA per-channel split-T path: group_quantize_ws_floats() floats
+                        // (nullptr: that path falls back to one block per group)
   int64_t N = 0;        // batch * heads (flattened leading dims)
   int64_t T = 0;        // tokens
   int64_t D = 0;        // channels (head dim)
