@@ -6,6 +6,9 @@
 #include <cmath>
 
 #include "kvq/attention/decode_attention.h"
+#ifdef KVQ_WITH_CUDA
+#include "kvq/cuda_api.h"
+#endif
 #include "ops.h"
 #include "utils.h"
 
@@ -128,23 +131,25 @@ static int index_bytes(const at::Tensor& t, const std::string& name) {
   return 0;
 }
 
-/// Parse one role's list [A0, B0, ov0, oi0, A1, B1, ov1, oi1] (empty tensors where absent).
+/// Parse one role's list [A0, B0, ov0, oi0, off0, A1, B1, ov1, oi1, off1] (empty tensors where
+/// absent; off only for keys).
 static attention::GearKV parse_gear_role(const char* role, const std::vector<at::Tensor>& L, const at::Tensor& q,
                                          bool keys, int64_t B, int64_t H, int64_t D, int64_t T0, int64_t T1,
                                          int64_t nb, bool check_indices) {
   const std::string r(role);
-  KVQ_CHECK_ARG(L.size() == 8, kGearOp, (r + "_gear").c_str(), "must hold 8 tensors [A0, B0, ov0, oi0, A1, B1, ov1, oi1], got ",
-                (int64_t)L.size());
+  KVQ_CHECK_ARG(L.size() == 10, kGearOp, (r + "_gear").c_str(),
+                "must hold 10 tensors [A0, B0, ov0, oi0, off0, A1, B1, ov1, oi1, off1], got ", (int64_t)L.size());
   attention::GearKV g;
-  const int64_t nblk = nb > 0 ? T1 / nb : 0;
+  const int64_t nblk1 = nb > 0 ? T1 / nb : 0;
   for (int sg = 0; sg < 2; ++sg) {
     const std::string sfx = std::to_string(sg);
-    const at::Tensor &A = L[4 * sg], &Bf = L[4 * sg + 1], &ov = L[4 * sg + 2], &oi = L[4 * sg + 3];
+    const at::Tensor &A = L[5 * sg], &Bf = L[5 * sg + 1], &ov = L[5 * sg + 2], &oi = L[5 * sg + 3],
+                     &off = L[5 * sg + 4];
     const std::string an = r + "_gear A" + sfx, bn = r + "_gear B" + sfx, vn = r + "_gear ov" + sfx,
-                      in = r + "_gear oi" + sfx;
-    const int64_t tseg = sg == 0 ? T0 : T1;
+                      in = r + "_gear oi" + sfx, fn = r + "_gear off" + sfx;
+    const int64_t tseg = sg == 0 ? T0 : T1, nblk = sg == 0 ? 1 : nblk1, tblk = sg == 0 ? T0 : nb;
     attention::GearSeg& s = g.seg[sg];
-    for (const at::Tensor* t : {&A, &Bf, &ov, &oi})
+    for (const at::Tensor* t : {&A, &Bf, &ov, &oi, &off})
       if (t->numel() > 0 || t->dim() > 1) CHECK_SAME_DEVICE(kGearOp, q, "q", *t, (r + "_gear").c_str());
     // low rank: A [B, H, tseg, r], B [B, H, D, r] (segment 0) or [B, H, nblk, D, r]
     if (A.numel() > 0 && tseg > 0) {
@@ -174,34 +179,53 @@ static attention::GearKV parse_gear_role(const char* role, const std::vector<at:
       s.Bf = reinterpret_cast<const uint16_t*>(Bf.data_ptr());
       s.A_sb = A.stride(0), s.A_sh = A.stride(1), s.B_sb = Bf.stride(0), s.B_sh = Bf.stride(1);
     }
-    // outliers: keys [B, H, D, 2k] (segment 0) or [B, H, nblk, D, 2k]; values [B, H, tseg, 2k]
-    if (ov.numel() > 0 && tseg > 0) {
-      KVQ_CHECK_ARG(ov.scalar_type() == q.scalar_type(), kGearOp, vn.c_str(), "must have the dtype of 'q' (",
-                    q.scalar_type(), "), got ", ov.scalar_type());
-      const int ib = index_bytes(oi, in);
-      KVQ_CHECK_ARG(oi.sizes() == ov.sizes() && oi.strides() == ov.strides(), kGearOp, in.c_str(),
-                    "must have the shape and strides of '", vn, "'");
-      const bool blocked = keys && sg == 1;
-      const int64_t nd = blocked ? 5 : 4;
-      CHECK_DIM(kGearOp, ov, vn.c_str(), nd);
-      const int64_t twok = ov.size(nd - 1);
-      const int64_t vecs = keys ? D : tseg;
-      KVQ_CHECK_ARG(twok % 2 == 0 && ov.size(0) == B && ov.size(1) == H && ov.size(nd - 2) == vecs &&
-                        (!blocked || ov.size(2) == nblk) && ov.stride(nd - 1) == 1 && ov.stride(nd - 2) == twok &&
-                        (!blocked || ov.stride(2) == vecs * twok),
-                    kGearOp, vn.c_str(), "must be [B, H, ", blocked ? "blocks, " : "", keys ? "D" : "T", "=", vecs,
-                    ", 2k] with contiguous vectors, got ", ov.sizes());
-      if (check_indices && ov.numel() > 0) {
-        const int64_t lim = keys ? (sg == 0 ? T0 : nb) : D;
+    if (ov.numel() == 0 || tseg == 0) continue;
+    KVQ_CHECK_ARG(ov.scalar_type() == q.scalar_type(), kGearOp, vn.c_str(), "must have the dtype of 'q' (",
+                  q.scalar_type(), "), got ", ov.scalar_type());
+    KVQ_CHECK_ARG(oi.sizes() == ov.sizes() && oi.strides() == ov.strides(), kGearOp, in.c_str(),
+                  "must have the shape and strides of '", vn, "'");
+    CHECK_DIM(kGearOp, ov, vn.c_str(), 4);
+    KVQ_CHECK_ARG(ov.stride(3) == 1 && ov.size(0) == B && ov.size(1) == H, kGearOp, vn.c_str(),
+                  "must be [B=", B, ", H=", H, ", ...] with a contiguous last dim, got ", ov.sizes());
+    s.ov = ov.data_ptr();
+    s.oi = oi.data_ptr();
+    s.o_sb = ov.stride(0), s.o_sh = ov.stride(1);
+    if (keys) {  // [B, H, nblk, M] sorted by token + off [B, H, nblk, tiles + 1]
+      CHECK_DTYPE(kGearOp, oi, in.c_str(), at::kShort);
+      CHECK_DTYPE(kGearOp, off, fn.c_str(), at::kInt);
+      const int64_t M = ov.size(3), ntile = (tblk + 31) / 32;
+      KVQ_CHECK_ARG(ov.size(2) == nblk && M % (2 * D) == 0, kGearOp, vn.c_str(), "must be [B, H, blocks=", nblk,
+                    ", D*2k], got ", ov.sizes());
+      CHECK_DIM(kGearOp, off, fn.c_str(), 4);
+      KVQ_CHECK_ARG(off.size(0) == B && off.size(1) == H && off.size(2) == nblk && off.size(3) == ntile + 1 &&
+                        off.stride(3) == 1,
+                    kGearOp, fn.c_str(), "must be [B, H, blocks=", nblk, ", tiles+1=", ntile + 1, "], got ",
+                    off.sizes());
+      if (check_indices) {
+        const auto o = off.to(at::kLong);
+        const bool ok = o.select(3, 0).eq(0).all().item<bool>() && o.select(3, ntile).eq(M).all().item<bool>() &&
+                        (ntile == 0 || o.diff(1, 3).ge(0).all().item<bool>());
+        KVQ_CHECK_ARG(ok, kGearOp, fn.c_str(), "must be non-decreasing tile offsets from 0 to ", M);
+        const auto pk = oi.to(at::kLong).bitwise_and(0xFFFF);
+        KVQ_CHECK_ARG(pk.bitwise_and(255).lt(D).all().item<bool>(), kGearOp, in.c_str(), "holds channels outside [0, ",
+                      D, ")");
+      }
+      s.k = (int)(M / (2 * D));
+      s.ibytes = 2;
+      s.o_sblk = ov.stride(2);
+      s.off = off.data_ptr<int32_t>();
+      s.f_sb = off.stride(0), s.f_sh = off.stride(1), s.f_sblk = off.stride(2);
+    } else {  // [B, H, tseg, 2k], index = channel
+      const int64_t twok = ov.size(3);
+      KVQ_CHECK_ARG(twok % 2 == 0 && ov.size(2) == tseg && ov.stride(2) == twok, kGearOp, vn.c_str(),
+                    "must be [B, H, T=", tseg, ", 2k] with contiguous vectors, got ", ov.sizes());
+      s.ibytes = index_bytes(oi, in);
+      if (check_indices) {
         const auto mm = oi.to(at::kLong).aminmax();
-        KVQ_CHECK_ARG(std::get<0>(mm).item<int64_t>() >= 0 && std::get<1>(mm).item<int64_t>() < lim, kGearOp,
-                      in.c_str(), "holds indices outside [0, ", lim, ")");
+        KVQ_CHECK_ARG(std::get<0>(mm).item<int64_t>() >= 0 && std::get<1>(mm).item<int64_t>() < D, kGearOp,
+                      in.c_str(), "holds channels outside [0, ", D, ")");
       }
       s.k = (int)(twok / 2);
-      s.ibytes = ib;
-      s.ov = ov.data_ptr();
-      s.oi = oi.data_ptr();
-      s.o_sb = ov.stride(0), s.o_sh = ov.stride(1), s.o_sblk = blocked ? ov.stride(2) : 0;
     }
   }
   return g;

@@ -97,7 +97,7 @@ def test_outliers_and_low_rank_matter(device):
 
     torch.testing.assert_close(run(kg, vg), out, rtol=0, atol=0)
     e = torch.empty(0, device=device)
-    for drop in ([0, 1, 4, 5], [2, 3, 6, 7]):  # low rank, outliers
+    for drop in ([0, 1, 5, 6], [2, 3, 4, 7, 8, 9]):  # low rank, outliers
         kg2 = [e if j in drop else t for j, t in enumerate(kg)]
         vg2 = [e if j in drop else t for j, t in enumerate(vg)]
         diff = (run(kg2, vg2) - out).norm() / out.norm()
@@ -123,7 +123,7 @@ def test_bad_input(device):
         return _ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_, t0, nb, 0.1)
 
     with pytest.raises(RuntimeError, match="k_gear"):
-        call(kg_=kg[:7])
+        call(kg_=kg[:9])
     with pytest.raises(RuntimeError, match="prefill_tokens"):
         call(t0=100)
     with pytest.raises(RuntimeError, match="block_tokens"):
@@ -137,11 +137,16 @@ def test_bad_input(device):
     with pytest.raises(RuntimeError, match="k_gear oi0"):
         call(kg_=bad)
     if device == "cpu":
-        saved = kg[7].clone()
-        kg[7].fill_(200)  # token indices beyond the 64-token blocks (same strides)
+        saved = kg[9].clone()
+        kg[9].fill_(5)  # tile offsets that do not start at 0 (same strides)
+        with pytest.raises(RuntimeError, match="k_gear off1"):
+            call()
+        kg[9].copy_(saved)
+        saved = vg[8].clone()
+        vg[8].fill_(200)  # value outlier channels beyond D
         with pytest.raises(RuntimeError, match="outside"):
             call()
-        kg[7].copy_(saved)
+        vg[8].copy_(saved)
 
 
 @requires_cuda
@@ -155,10 +160,18 @@ def test_cuda_long_matches_cpu(preset, D, dtype):
     q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
     out = fused(cache, q) if dtype == torch.float16 else kvq.decode_attention(q, cache, 0)
     cpu = kvq.KVCache(preset)
-    cpu.load_state_dict({k: v.cpu() for k, v in cache.state_dict().items()})
+    cpu.load_state_dict(_to_cpu(cache.state_dict()))
     ref = kvq.decode_attention(q.cpu(), cpu, 0)
     err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
     assert err < (1.5e-2 if dtype == torch.bfloat16 else 4e-3), err
+
+
+def _to_cpu(x):
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x.cpu() if isinstance(x, torch.Tensor) else x
 
 
 @requires_cuda

@@ -323,11 +323,15 @@ def test_stream_equals_blockwise(name):
             assert abs(e_op - e_ref) <= 0.05 * e_ref + 1e-3, (role, off, e_op, e_ref)
     assert cache.get_seq_length(0) == prefill + steps
     # the cache's bytes are its blocks' (each checked against the formula elsewhere) plus
-    # the full-precision buffer
+    # the full-precision buffer, except that the stream keeps key outlier indices sorted by
+    # token for decode attention: int16 (token mod 32, channel) plus int32 tile offsets
+    nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
     expect = 0
     for s in (cache.layers[0].key, cache.layers[0].value):
-        expect += sum(b.nbytes for b in s.blocks)
-        expect += 0 if s.buffer is None else s.buffer.numel() * s.buffer.element_size()
+        expect += sum(b.nbytes for b in s.blocks) + nbytes(s.buffer)
+        if s.spec.per_channel:
+            expect -= sum(nbytes(b.outlier_indices) for b in s.blocks)
+            expect += sum(nbytes(t) for t in (s.oi0, s.off0, s.oi1.view(), s.off1.view()))
     assert cache.nbytes == expect
 
 

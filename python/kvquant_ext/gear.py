@@ -87,6 +87,43 @@ class GEARCompressed(Compressed):
         return d
 
 
+def _tile_sort(ov: torch.Tensor, oi: torch.Tensor, T: int):
+    """Key outliers of one block, per channel (``[B, H, D, 2k]``, index = token) -> sorted by
+    token: values ``[B, H, 1, M]``, packed ``(token mod 32) << 8 | channel`` int16
+    ``[B, H, 1, M]`` and per 32-token tile offsets ``[B, H, 1, ceil(T/32) + 1]`` int32."""
+    B, H, D, n = ov.shape
+    t = oi.long()
+    c = torch.arange(D, device=ov.device).view(1, 1, D, 1).expand_as(t)
+    order = torch.argsort((t * 256 + c).reshape(B, H, -1), dim=-1)
+    ts = t.reshape(B, H, -1).gather(2, order)
+    cs = c.reshape(B, H, -1).gather(2, order)
+    vals = ov.reshape(B, H, -1).gather(2, order)
+    packed = ((ts % 32) * 256 + cs).to(torch.int16)
+    nt = (T + 31) // 32
+    counts = torch.zeros(B, H, nt + 1, dtype=torch.int64, device=ov.device)
+    counts.scatter_add_(2, ts // 32 + 1, torch.ones_like(ts))
+    off = counts.cumsum(2).to(torch.int32)
+    return vals.unsqueeze(2), packed.unsqueeze(2), off.unsqueeze(2)
+
+
+def _per_channel(vals: torch.Tensor, packed: torch.Tensor, off: torch.Tensor, D: int, T: int):
+    """Inverse of :func:`_tile_sort` for one block (``[B, H, M]``, ``[B, H, nt + 1]``): per
+    channel ``[B, H, D, 2k]`` values and token indices, each vector's entries in token order
+    (what ``gear_decompress`` needs: it overwrites by position)."""
+    B, H, M = vals.shape
+    if M == 0:
+        return vals.reshape(B, H, D, 0), packed.reshape(B, H, D, 0).to(_ops.outlier_index_dtype(T))
+    j = torch.arange(M, device=vals.device).expand(B, H, M).contiguous()
+    tile = torch.searchsorted(off[..., 1:].contiguous().long(), j, right=True)
+    p = packed.long() & 0xFFFF
+    t = tile * 32 + (p >> 8)
+    c = p & 255
+    order = torch.argsort(c * T + t, dim=-1)
+    ov = vals.gather(2, order).reshape(B, H, D, -1)
+    oi = t.gather(2, order).reshape(B, H, D, -1).to(_ops.outlier_index_dtype(T))
+    return ov, oi
+
+
 class GEARStream(Stream):
     """GEAR streaming of one role of one layer (see the module docstring).
 
@@ -94,14 +131,18 @@ class GEARStream(Stream):
     field: the backbone (``codes``/``scale``/``zero``) of every block in token order; the
     prefill block's factors ``A0 [B, H, T0, r]`` / ``B0 [B, H, D, r]`` and outliers
     ``ov0``/``oi0``; the decode blocks' factors ``A1 [B, H, T1, r_d]`` /
-    ``B1 [B, H, nblk, D, r_d]`` and outliers ``ov1``/``oi1`` (keys ``[B, H, nblk, D, 2k]``,
-    values ``[B, H, T1, 2k]``).  ``blocks`` gives per-block :class:`GEARCompressed` views.
+    ``B1 [B, H, nblk, D, r_d]`` and outliers ``ov1``/``oi1``.  Value outliers stay per token
+    (``[B, H, T_seg, 2k]``); key outliers are stored sorted by token for the kernel:
+    ``ov``/``oi`` ``[B, H, nblk, M]`` (M = D·2k entries per block; ``oi`` int16
+    ``(token mod 32) << 8 | channel``) and ``off`` ``[B, H, nblk, tiles + 1]`` int32, the
+    first entry of each 32-token tile.  ``blocks`` gives per-block :class:`GEARCompressed`
+    views (backbone and factors without copies; key outliers converted back per channel).
 
     The prefill block covers the longest prefix of whole KIVI groups (``T - T mod G``) for
     keys *and* values, so both roles have the same block boundaries; the rest waits in the
     full-precision ``buffer`` with the decode tokens."""
 
-    _SEG = ("A0", "B0", "ov0", "oi0")
+    _SEG = ("A0", "B0", "ov0", "oi0", "off0")
 
     def __init__(self, config: GEARConfig, role: str, *, check_finite: bool = True):
         super().__init__()
@@ -109,7 +150,8 @@ class GEARStream(Stream):
         self.spec = config.spec(role)
         self.codes, self.scale, self.zero = Growable(), Growable(), Growable()
         self.A1, self.B1, self.ov1, self.oi1 = Growable(), Growable(), Growable(), Growable()
-        self.A0 = self.B0 = self.ov0 = self.oi0 = None
+        self.off1 = Growable()
+        self.A0 = self.B0 = self.ov0 = self.oi0 = self.off0 = None
         self.T0 = 0         # tokens of the prefill block (0: none)
         self.num_decode_blocks = 0
         self.buffer: Optional[torch.Tensor] = None
@@ -135,20 +177,21 @@ class GEARStream(Stream):
         f = blk.fields
         for name in ("codes", "scale", "zero"):
             getattr(self, name).append(f[name])
+        ov, oi, off = f["outlier_values"], f["outlier_indices"], None
+        if self.spec.per_channel:  # keys: sorted by token, per-tile offsets
+            ov, oi, off = _tile_sort(ov, oi, x.shape[2])
         if self.T0 == 0 and self.num_decode_blocks == 0 and not self.prefilled:
             self.T0 = x.shape[2]
             self.A0, self.B0 = f["A"], f["B"]
-            self.ov0, self.oi0 = f["outlier_values"], f["outlier_indices"]
+            self.ov0, self.oi0, self.off0 = ov, oi, off
             return
         self.num_decode_blocks += 1
         self.A1.append(f["A"])
         self.B1.append(f["B"].unsqueeze(2))
-        if self.spec.per_channel:  # keys: one [D, 2k] set per block
-            self.ov1.append(f["outlier_values"].unsqueeze(2))
-            self.oi1.append(f["outlier_indices"].unsqueeze(2))
-        else:                      # values: [T, 2k], one row per token
-            self.ov1.append(f["outlier_values"])
-            self.oi1.append(f["outlier_indices"])
+        self.ov1.append(ov)  # keys [B, H, 1, M]; values [B, H, nb, 2k]
+        self.oi1.append(oi)
+        if off is not None:
+            self.off1.append(off)
 
     def append(self, x, name="x"):
         self._check(x, name)
@@ -182,9 +225,11 @@ class GEARStream(Stream):
         codes, scale, zero = self.codes.view(), self.scale.view(), self.zero.view()
         t = r = 0
 
-        def block(ntok, A, Bf, ov, oi):
+        def block(ntok, A, Bf, ov, oi, off):
             nonlocal t, r
             nr = self._rows(ntok)
+            if off is not None:
+                ov, oi = _per_channel(ov, oi, off, D, ntok)
             f = {"codes": codes[:, :, t:t + ntok], "scale": scale[:, :, r:r + nr],
                  "zero": zero[:, :, r:r + nr], "outlier_values": ov, "outlier_indices": oi,
                  "A": A, "B": Bf}
@@ -192,16 +237,23 @@ class GEARStream(Stream):
             return GEARCompressed(f, self.spec, (B, H, ntok, D), self.dtype)
 
         if self.T0:
-            out.append(block(self.T0, self.A0, self.B0, self.ov0, self.oi0))
+            off0 = None if self.off0 is None else self.off0[:, :, 0]
+            out.append(block(self.T0, self.A0, self.B0, *self._seg0_outliers(), off0))
         nb = self.config.buffer_length
         A1, B1, ov1, oi1 = self.A1.view(), self.B1.view(), self.ov1.view(), self.oi1.view()
+        off1 = self.off1.view()
         for j in range(self.num_decode_blocks):
             if self.spec.per_channel:
-                ov, oi = ov1[:, :, j], oi1[:, :, j]
+                ov, oi, off = ov1[:, :, j], oi1[:, :, j], off1[:, :, j]
             else:
-                ov, oi = ov1[:, :, j * nb:(j + 1) * nb], oi1[:, :, j * nb:(j + 1) * nb]
-            out.append(block(nb, A1[:, :, j * nb:(j + 1) * nb], B1[:, :, j], ov, oi))
+                ov, oi, off = ov1[:, :, j * nb:(j + 1) * nb], oi1[:, :, j * nb:(j + 1) * nb], None
+            out.append(block(nb, A1[:, :, j * nb:(j + 1) * nb], B1[:, :, j], ov, oi, off))
         return out
+
+    def _seg0_outliers(self):
+        if self.off0 is None:
+            return self.ov0, self.oi0
+        return self.ov0[:, :, 0], self.oi0[:, :, 0]
 
     @property
     def block_offsets(self) -> List[int]:
@@ -234,7 +286,7 @@ class GEARStream(Stream):
     def attention_operands(self):
         """Operands of ``kvq.decode_attention_gear`` for this role: the backbone
         ``(codes, scale, zero, residual)`` and the GEAR list
-        ``[A0, B0, ov0, oi0, A1, B1, ov1, oi1]`` (empty tensors where absent)."""
+        ``[A0, B0, ov0, oi0, off0, A1, B1, ov1, oi1, off1]`` (empty tensors where absent)."""
         B, H, D = self._shape
         dev, spec = self.device, self.spec
         codes = self.codes.view()
@@ -246,15 +298,15 @@ class GEARStream(Stream):
             scale, zero = self.scale.view(), self.zero.view()
         residual = self.buffer if self.buffer is not None else self._empty()
         e = torch.empty(0, device=dev)
-        gear = [self.A0, self.B0, self.ov0, self.oi0, self.A1.view(), self.B1.view(),
-                self.ov1.view(), self.oi1.view()]
+        gear = [self.A0, self.B0, self.ov0, self.oi0, self.off0, self.A1.view(), self.B1.view(),
+                self.ov1.view(), self.oi1.view(), self.off1.view()]
         return codes, scale, zero, residual, [e if t is None else t for t in gear]
 
     def tensors(self):
         return {"codes": self.codes.view(), "scale": self.scale.view(), "zero": self.zero.view(),
-                "A0": self.A0, "B0": self.B0, "ov0": self.ov0, "oi0": self.oi0,
+                "A0": self.A0, "B0": self.B0, "ov0": self.ov0, "oi0": self.oi0, "off0": self.off0,
                 "A1": self.A1.view(), "B1": self.B1.view(), "ov1": self.ov1.view(),
-                "oi1": self.oi1.view(), "buffer": self.buffer}
+                "oi1": self.oi1.view(), "off1": self.off1.view(), "buffer": self.buffer}
 
     # -- state ------------------------------------------------------------------
     def state_dict(self):
@@ -272,7 +324,7 @@ class GEARStream(Stream):
         self.buffer = state["buffer"]
         prefilled, self.T0, self.num_decode_blocks = (int(v) for v in state["meta"].reshape(-1)[:3])
         self.prefilled = bool(prefilled)
-        for name in ("codes", "scale", "zero", "A1", "B1", "ov1", "oi1"):
+        for name in ("codes", "scale", "zero", "A1", "B1", "ov1", "oi1", "off1"):
             getattr(self, name).reset(state.get(name))
         for name in self._SEG:
             setattr(self, name, state.get(name))

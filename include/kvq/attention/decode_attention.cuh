@@ -170,9 +170,9 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 //   output  += (sum_t p_t A_v[t]) B_v^T           U accumulated by mma, flushed per block
 //   outliers: key entry (t, c, v): score_t += q_c (v - Khat[t, c]); value entry (t, c, v):
 //   out_c += p_t (v - Vhat[t, c]), Khat / Vhat = backbone + low rank at that position
-//   (decompression overwrites the entry).  Key entries are found per tile through one
-//   cursor per (channel, side) over the per-channel index lists (each half is sorted by
-//   token); value entries are the 2k entries of each token.
+//   (decompression overwrites the entry).  Key entries are stored sorted by token with
+//   per-tile offsets, so a tile's entries are one contiguous range (lanes take one entry
+//   each); value entries are the 2k entries of each token (lane = token).
 // ---------------------------------------------------------------------------
 /// Per-warp scratch of the GEAR extras (bytes, 16-byte multiples).
 template <int D>
@@ -182,8 +182,7 @@ struct GearScratch {
   static constexpr int OC = PF + kTile * 8 * 4;    // float [8][D]: value outlier corrections
   static constexpr int QB = OC + 8 * D * 4;        // float [8][8]: q . B_k of the current block
   static constexpr int AL = QB + 64 * 4;           // float [8]: rescale factors per head
-  static constexpr int CUR = AL + 8 * 4;           // int [2 D]: key outlier cursors
-  static constexpr int BYTES = (CUR + 2 * D * 4 + 15) / 16 * 16;
+  static constexpr int BYTES = (AL + 8 * 4 + 15) / 16 * 16;
 };
 
 /// Segment / block of a 32-token tile starting at t0 (32-bit arithmetic).
@@ -206,10 +205,11 @@ __device__ __forceinline__ GearTile gear_tile(const DecodeAttnParams& p, int64_t
 }
 /// One role's segment, with the (batch, head, block) offsets applied.
 struct GearSegView {
-  const uint16_t* A;   // [T_seg, r]
-  const uint16_t* Bf;  // [D, r] of the block
-  const char* ov;      // outlier values of the (batch, head[, block]) (bytes)
-  const char* oi;      // outlier indices
+  const uint16_t* A;    // [T_seg, r]
+  const uint16_t* Bf;   // [D, r] of the block
+  const char* ov;       // outlier values of the (batch, head[, block]) (bytes)
+  const char* oi;       // outlier indices
+  const int32_t* off;   // keys: tile offsets of the block
   int r, k, ibytes;
 };
 template <typename DType>
@@ -222,6 +222,7 @@ __device__ __forceinline__ GearSegView gear_seg(const GearKV& g, int64_t b, int6
   const int64_t o = b * KVQ_SEL(o_sb) + h * KVQ_SEL(o_sh) + (int64_t)blk * KVQ_SEL(o_sblk);
   v.ov = static_cast<const char*>(KVQ_SEL(ov)) + o * (int64_t)sizeof(DType);
   v.oi = static_cast<const char*>(KVQ_SEL(oi)) + o * v.ibytes;
+  v.off = KVQ_SEL(off) + b * KVQ_SEL(f_sb) + h * KVQ_SEL(f_sh) + (int64_t)blk * KVQ_SEL(f_sblk);
 #undef KVQ_SEL
   return v;
 }
@@ -311,7 +312,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   float* s_oc = reinterpret_cast<float*>(gscr + GS::OC);
   float* s_qb = reinterpret_cast<float*>(gscr + GS::QB);
   float* s_al = reinterpret_cast<float*>(gscr + GS::AL);
-  int* s_cur = reinterpret_cast<int*>(gscr + GS::CUR);
   float u[2] = {0.f, 0.f};  // U[rank i][heads 2c, 2c + 1] (C rows i; rows i + 8 stay zero)
   uint32_t qlr = 0;         // B fragment of the key low-rank mma: qB[head i][ranks 2c, 2c + 1] / max|q_i|
   int cur_bid = -1;
@@ -444,18 +444,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           const float q1 = (i < g && 2 * c + 1 < kg.r) ? s_qb[i * 8 + 2 * c + 1] * rq : 0.f;
           qlr = pack_half2(q0, q1);
         }
-        // key outlier cursors: first entry of each (channel, side) list at or after the tile
-        if (kg.k > 0) {
-          for (int x = lane; x < 2 * D; x += 32) {
-            const int base = (x >> 1) * 2 * kg.k + (x & 1) * kg.k;
-            int lo = 0, hi = kg.k;
-            while (lo < hi) {
-              const int mid = (lo + hi) >> 1;
-              if (gear_idx(kg.oi, kg.ibytes, base + mid) < gt.tb0) lo = mid + 1; else hi = mid;
-            }
-            s_cur[x] = lo;
-          }
-        }
       }
       if (kg.r > 0) {  // scores += A_k[t] . qB: one mma per 16 tokens (ranks = k, zero beyond r)
 #pragma unroll
@@ -479,21 +467,18 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         for (int x = 0; x < 8; ++x) s_corr[lane * 8 + x] = 0.f;
         __syncwarp();
         const DType* ov = reinterpret_cast<const DType*>(kg.ov);
-        for (int x = lane; x < 2 * D; x += 32) {
-          const int ch = x >> 1, base = ch * 2 * kg.k + (x & 1) * kg.k;
-          int cur = s_cur[x];
-          for (; cur < kg.k; ++cur) {
-            const int tl = gear_idx(kg.oi, kg.ibytes, base + cur) - gt.tb0;
-            if (tl >= kTile) break;
-            if (tl < 0) continue;  // another warp's tile
-            const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
-            const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
-            float khat = code * half_bits_to_float(s_ks[ch]) + half_bits_to_float(s_kz[ch]);
-            if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
-            const float dlt = to_float(ov[base + cur]) - khat;
-            for (int hh = 0; hh < g; ++hh) atomicAdd(&s_corr[tl * 8 + hh], s_q[hh * D + ch] * dlt);
-          }
-          s_cur[x] = cur;
+        const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
+        const int tile = gt.tb0 / kTile;
+        const int e1 = __ldg(kg.off + tile + 1);
+        for (int e = __ldg(kg.off + tile) + lane; e < e1; e += 32) {
+          const uint32_t pk = __ldg(oi + e);
+          const int tl = (pk >> 8) & (kTile - 1), ch = pk & (D - 1);
+          const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
+          const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
+          float khat = code * half_bits_to_float(s_ks[ch]) + half_bits_to_float(s_kz[ch]);
+          if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
+          const float dlt = to_float(ov[e]) - khat;
+          for (int hh = 0; hh < g; ++hh) atomicAdd(&s_corr[tl * 8 + hh], s_q[hh * D + ch] * dlt);
         }
         __syncwarp();
 #pragma unroll

@@ -40,9 +40,11 @@ struct QuantKV {
 /// the prefill block (tokens [0, T0)), segment 1 the decode blocks of nb tokens each, stored
 /// concatenated (tokens [T0, Tq)).  Token t of a segment reads
 ///   backbone(t) + A[t] . B[c]  (low rank, r <= 8), then the outlier entries of t overwrite.
-/// Keys (per-channel vectors): outliers [B, H, (block,) D, 2k], index = token within the
-/// block.  Values (per-token vectors): [B, H, T_seg, 2k], index = channel.  Index dtype of
-/// `ibytes` bytes (uint8 / int16 / int32); values in the cache dtype.
+/// Values (per-token vectors): outliers [B, H, T_seg, 2k], index = channel, of `ibytes`
+/// bytes (uint8 / int16 / int32).  Keys (per-channel vectors), sorted by token for the
+/// kernel: [B, H, nblk, M] entries (M = D 2k per block), int16 index (token mod 32) << 8 |
+/// channel, and `off` [B, H, nblk, tiles + 1] int32: the entries of 32-token tile j of a block
+/// are [off[j], off[j + 1]).  Outlier values in the cache dtype.
 struct GearSeg {
   const uint16_t* A = nullptr;  // fp16 [B, H, T_seg, r]
   const uint16_t* Bf = nullptr;  // fp16 [B, H, D, r] (segment 0) or [B, H, nblk, D, r]
@@ -50,9 +52,11 @@ struct GearSeg {
   int r = 0;
   const void* ov = nullptr;  // outlier values (cache dtype)
   const void* oi = nullptr;  // outlier indices (same shape and strides as ov)
-  int64_t o_sb = 0, o_sh = 0, o_sblk = 0;  // batch / head / block (keys, segment 1) strides
+  int64_t o_sb = 0, o_sh = 0, o_sblk = 0;  // batch / head / block (keys) strides
   int k = 0;                               // entries per side (2k per vector)
   int ibytes = 1;
+  const int32_t* off = nullptr;            // keys: per-tile entry offsets
+  int64_t f_sb = 0, f_sh = 0, f_sblk = 0;  // their batch / head / block strides
 };
 struct GearKV {
   GearSeg seg[2];
@@ -125,14 +129,18 @@ void gear_entries_cpu(const DecodeAttnParams& p, const GearKV& g, bool keys, int
     const int64_t nblk = sgi == 0 ? 1 : tseg / nb;
     const int64_t base = b * s.o_sb + h * s.o_sh;
     const DType* ov = static_cast<const DType*>(s.ov);
-    if (keys) {  // per channel: index = token within the block
-      for (int64_t blk = 0; blk < nblk; ++blk)
-        for (int64_t c = 0; c < D; ++c)
-          for (int64_t j = 0; j < 2 * s.k; ++j) {
-            const int64_t off = base + blk * s.o_sblk + c * 2 * s.k + j;
-            const int64_t t0 = sgi == 0 ? 0 : T0 + blk * nb;
-            out.push_back({t0 + gear_index(s.oi, s.ibytes, off), c, to_float(ov[off])});
+    if (keys) {  // sorted by token: tile offsets + packed (token mod 32, channel)
+      const int64_t tblk = sgi == 0 ? T0 : nb, ntile = (tblk + 31) / 32;
+      for (int64_t blk = 0; blk < nblk; ++blk) {
+        const int32_t* off = s.off + b * s.f_sb + h * s.f_sh + blk * s.f_sblk;
+        const int64_t t0 = sgi == 0 ? 0 : T0 + blk * nb;
+        for (int64_t tile = 0; tile < ntile; ++tile)
+          for (int64_t e = off[tile]; e < off[tile + 1]; ++e) {
+            const int64_t o = base + blk * s.o_sblk + e;
+            const int64_t pk = gear_index(s.oi, 2, o) & 0xFFFF;
+            out.push_back({t0 + tile * 32 + (pk >> 8), pk & 255, to_float(ov[o])});
           }
+      }
     } else {  // per token: index = channel
       for (int64_t t = 0; t < tseg; ++t)
         for (int64_t j = 0; j < 2 * s.k; ++j) {
