@@ -1,8 +1,9 @@
 """Decode attention over a compressed :class:`~kvquant_ext.KVCache` layer.
 
 Group-quantized layers (KIVI, KCVT, per-token INT, FlexGen) run the fused
-``torch.ops.kvq.decode_attention_gq`` op, which reads the packed codes directly (tensor-core
-kernels on CUDA, a C++ loop on CPU).  FP16 layers use ``scaled_dot_product_attention``.
+``torch.ops.kvq.decode_attention_gq`` op and HQMQ layers ``torch.ops.kvq.decode_attention_hqmq``;
+both read the packed codes directly (tensor-core kernels on CUDA, a C++ loop on CPU).  FP16
+layers use ``scaled_dot_product_attention``; GEAR layers still dequantize.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Optional
 import torch
 
 from . import _ops
+from .hqmq import HQMQStream
 from .streams import FullPrecisionStream, _QuantStream
 
 _warned = set()
@@ -62,15 +64,23 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
         scale = 1.0 / math.sqrt(D)
     qc = q4.reshape(B, Hq, D).to(kst.dtype)
 
+    run = None
     if isinstance(kst, _QuantStream) and isinstance(vst, _QuantStream):
         operands = (*kst.attention_operands(), *vst.attention_operands())
-        g = Hq // H
 
         def run(qh):
             return _ops.decode_attention_gq(qh, *operands, attn_mask, kst.spec.bits,
                                             kst.spec.per_channel, vst.spec.bits,
                                             vst.spec.per_channel, float(scale))
+    elif isinstance(kst, HQMQStream) and isinstance(vst, HQMQStream):
+        operands = (*kst.attention_operands(), *vst.attention_operands())
 
+        def run(qh):
+            return _ops.decode_attention_hqmq(qh, *operands, attn_mask, kst.config.radius_bits,
+                                              vst.config.radius_bits, float(scale))
+
+    if run is not None:
+        g = Hq // H
         if g <= _MAX_GROUP:
             out = run(qc)
         else:  # the kernels take up to 16 query heads per KV head: split the group
@@ -81,7 +91,7 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
     elif isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
         out = _sdpa(qc, kst.dequantize(), vst.dequantize(), scale, attn_mask, Hq != H)
     else:
-        # NOTE: GEAR and HQMQ layers have no fused kernel yet; they attend over the layer
+        # NOTE: GEAR layers have no fused kernel yet; they attend over the layer
         # dequantized by their own ops (correct, but reads a full-precision copy).
         name = type(cache.config).__name__
         if name not in _warned:
