@@ -23,7 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kvquant_ext as kvq  # noqa: E402
 from utils import bench_gpu_time, copy_bandwidth, table  # noqa: E402
 
-DEFAULT_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "flexgen-4", "gear-2", "hqmq-3.79"]
+DEFAULT_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "flexgen-4", "gear-2", "hqmq-3.79",
+                   "hqmq-5"]
 
 
 def main(argv=None):
@@ -61,7 +62,8 @@ def main(argv=None):
                          f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
             print(rows[-1], flush=True)
             for name in presets:
-                fused = isinstance(kvq.get_config(name), kvq.GroupQuantConfig)
+                # group-quantized and HQMQ layers have fused ops (decode_attention_gq / _hqmq)
+                fused = isinstance(kvq.get_config(name), (kvq.GroupQuantConfig, kvq.HQMQConfig))
                 if not fused and fp16_bytes > 4e9:
                     continue  # no fused kernel yet: its dequantize path would need ~4x FP16 memory
                 cache = kvq.KVCache(name, check_finite=False)
@@ -79,7 +81,7 @@ def main(argv=None):
                 rows.append([B, L, f"{name} {label}", f"{t['us']:.1f}", f"{eager:.1f}", f"{base / t['us']:.2f}",
                              f"{nbytes / 1e6:.0f}", f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
                 print(rows[-1], flush=True)
-                if name in ("kivi-2", "gear-2", "hqmq-3.79"):
+                if name in ("kivi-2", "gear-2", "hqmq-3.79", "hqmq-5"):
                     def deq_sdpa():
                         K, V = cache.dequantize(0)
                         return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)

@@ -239,3 +239,36 @@ def test_cuda_long_masked_bf16(preset):
     mask[1, :700] = False
     q = torch.randn(B, 8, D, dtype=torch.bfloat16, device="cuda")
     check(cache, q, mask, tol=1.5e-2)
+
+
+def _cpu_op(q, kops, vops, rb, mask=None):
+    kops = [t.cpu() for t in kops]
+    vops = [t.cpu() for t in vops]
+    m = None if mask is None else mask.cpu()
+    return kvq.ops.decode_attention_hqmq(q.cpu(), *kops, *vops, m, rb, rb, q.shape[-1] ** -0.5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", PRESETS)
+def test_cuda_generic_paths_match_cpu(preset):
+    """The CUDA-core path: > 8 query heads per KV head in one raw call, and rows whose head
+    stride is not 16-byte aligned (the tensor-core path's cp.async needs it)."""
+    B, H, T, D = 2, 2, 300, 128
+    cache = build(preset, B, H, T, D, torch.float16, "cuda", steps=2)
+    rb = kvq.get_config(preset).radius_bits
+    kops = list(cache.layers[0].key.attention_operands())
+    vops = list(cache.layers[0].value.attention_operands())
+    q = torch.randn(B, 12 * H, D, dtype=torch.float16, device="cuda")
+    out = kvq.ops.decode_attention_hqmq(q, *kops, *vops, None, rb, rb, D ** -0.5)
+    ref = _cpu_op(q, kops, vops, rb)
+    assert ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item() < 4e-3
+    # misaligned head stride: codes in a [B, H, T + 1, W] buffer
+    for ops in (kops, vops):
+        c = ops[0]
+        buf = torch.zeros(B, H, c.shape[2] + 1, c.shape[3], dtype=c.dtype, device="cuda")
+        buf[:, :, :c.shape[2]] = c
+        ops[0] = buf[:, :, :c.shape[2]]
+    q = torch.randn(B, 4 * H, D, dtype=torch.float16, device="cuda")
+    out = kvq.ops.decode_attention_hqmq(q, *kops, *vops, None, rb, rb, D ** -0.5)
+    ref = _cpu_op(q, kops, vops, rb)
+    assert ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item() < 4e-3

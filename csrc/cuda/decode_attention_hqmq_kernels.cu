@@ -33,7 +33,7 @@ static int hqmq_occupancy(size_t smem) {
   auto kernel = HqmqDecodeAttentionKernel<DType, D, FMT>;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return 0;
   int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kHqmqWarps * 32, smem) != cudaSuccess) return 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, hqmq_warps(D) * 32, smem) != cudaSuccess) return 0;
   cached_smem = smem, cached_n = n;
   return n;
 }
@@ -44,7 +44,7 @@ static SplitPlan hqmq_plan(const HqmqAttnParams& p, const HqmqSmem& sm, DTypeId 
   const int occ = KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> int { KVQ_HQMQ_DISPATCH(KVQ_OCC) });
 #undef KVQ_OCC
   const int64_t t_main = sm.mma ? (p.T / kTile) * kTile : 0;
-  return split_plan(t_main, p.T, p.B * p.H, quant::num_sms(), occ, kHqmqWarps);
+  return split_plan(t_main, p.T, p.B * p.H, quant::num_sms(), occ, hqmq_warps(p.D));
 }
 
 int decode_attention_hqmq_splits(const HqmqAttnParams& p, DTypeId dtype) {
@@ -58,7 +58,7 @@ static cudaError_t launch_hqmq(const HqmqAttnParams& p, const SplitPlan& plan, c
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm.total);
   if (e != cudaSuccess) return e;
   dim3 grid((unsigned)plan.splits(), (unsigned)(p.B * p.H));
-  kernel<<<grid, kHqmqWarps * 32, sm.total, stream>>>(p, plan, sm);
+  kernel<<<grid, hqmq_warps(D) * 32, sm.total, stream>>>(p, plan, sm);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   DecodeAttnParams cp;  // the combine kernel reads only ws and writes out

@@ -65,6 +65,7 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
     qc = q4.reshape(B, Hq, D).to(kst.dtype)
 
     run = None
+    max_group = _MAX_GROUP
     if isinstance(kst, _QuantStream) and isinstance(vst, _QuantStream):
         operands = (*kst.attention_operands(), *vst.attention_operands())
 
@@ -79,14 +80,17 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
             return _ops.decode_attention_hqmq(qh, *operands, attn_mask, kst.config.radius_bits,
                                               vst.config.radius_bits, float(scale))
 
+        if qc.is_cuda:  # the HQMQ tensor-core path takes <= 8 query heads per KV head
+            max_group = 8
+
     if run is not None:
         g = Hq // H
-        if g <= _MAX_GROUP:
+        if g <= max_group:
             out = run(qc)
         else:  # the kernels take up to 16 query heads per KV head: split the group
             qg = qc.reshape(B, H, g, D)
-            parts = [run(qg[:, :, j:j + _MAX_GROUP].reshape(B, -1, D)).reshape(B, H, -1, D)
-                     for j in range(0, g, _MAX_GROUP)]
+            parts = [run(qg[:, :, j:j + max_group].reshape(B, -1, D)).reshape(B, H, -1, D)
+                     for j in range(0, g, max_group)]
             out = torch.cat(parts, dim=2).reshape(B, Hq, D)
     elif isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
         out = _sdpa(qc, kst.dequantize(), vst.dequantize(), scale, attn_mask, Hq != H)

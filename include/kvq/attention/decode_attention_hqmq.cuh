@@ -46,7 +46,10 @@
 namespace kvq {
 namespace attention {
 
-constexpr int kHqmqWarps = 8;        // warps per CTA (the codebooks are shared by the CTA)
+/// Warps per CTA (they share the CTA's codebooks): 12 for D <= 128 (<= 168 registers, no spills in
+/// the mma loop; hqmq-5 at D = 128 uses 210 KB of shared memory), 4 for D = 256 (whose rings
+/// are twice as large: hqmq-5 would not fit 8 warps).
+KVQ_HOST_DEVICE constexpr int hqmq_warps(int64_t D) { return D <= 128 ? 12 : 4; }
 constexpr int kHqmqStages = 2;       // cp.async ring depth per warp
 constexpr int kHqmqSmemLimit = 220 * 1024;  // dynamic, below the 227 KB opt-in maximum
 
@@ -97,13 +100,14 @@ inline HqmqSmem hqmq_smem_plan(const HqmqAttnParams& p) {
   const size_t slot = sizeof(float) * (size_t)g * (p.D + 2);
   const size_t slot16 = (slot + 15) / 16 * 16;
   m.region = slot16;
-  m.total = m.q + kHqmqWarps * m.region;
+  const int nw = hqmq_warps(p.D);
+  m.total = m.q + nw * m.region;
   if (hqmq_mma_layout_ok(p)) {
     const HqmqTileLayout tl = HqmqTileLayout::make(p.k.words, p.v.words);
     const size_t ring = (size_t)kHqmqStages * tl.bytes;
     const size_t region = (ring > slot16 ? ring : slot16) + sizeof(float) * kTile * 8;  // + [32][8] buffer
     const size_t cbk = (size_t)vq::kHurwitzUnits * 8 * p.k.S, cbv = (size_t)vq::kHurwitzUnits * 8 * p.v.S;
-    const size_t total = cbk + cbv + m.q + kHqmqWarps * region;
+    const size_t total = cbk + cbv + m.q + nw * region;
     if (total <= (size_t)kHqmqSmemLimit) {
       m.mma = true, m.cb_k = cbk, m.cb_v = cbv, m.region = region, m.total = total;
     }
@@ -206,6 +210,7 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
   constexpr int NK = D / 16;  // k-steps of QK (4 chunks each)
   constexpr int MV = D / 16;  // m-tiles of PV (4 chunks each)
   constexpr int C = D / 4;
+  constexpr int NW = hqmq_warps(D);
   const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
   const int64_t BH = p.B * p.H, n = b * p.H + h;
   const HqmqTileLayout TL = HqmqTileLayout::make(p.k.words, p.v.words);
@@ -254,10 +259,10 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
   const uint16_t* vscale = p.v.scale + b * p.v.scale_sb + h * p.v.scale_sh;
   const int64_t first = t_begin + warp * kTile;
   const int ntiles =
-      first < t_end ? (int)((t_end - first + kHqmqWarps * kTile - 1) / (kHqmqWarps * kTile)) : 0;
+      first < t_end ? (int)((t_end - first + NW * kTile - 1) / (NW * kTile)) : 0;
   auto issue = [&](int k) {
     if (k < ntiles) {
-      const int64_t t0 = first + (int64_t)k * kHqmqWarps * kTile;
+      const int64_t t0 = first + (int64_t)k * NW * kTile;
       char* st = ring + (k % kHqmqStages) * TL.bytes;
       warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.kc, kcodes + t0 * WK, kTile * WK * 4, lane);
       warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.vc, vcodes + t0 * WV, kTile * WV * 4, lane);
@@ -273,7 +278,7 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
     issue(k + kHqmqStages - 1);
     cp_async_wait<kHqmqStages - 1>();
     __syncwarp();
-    const int64_t t0 = first + (int64_t)k * kHqmqWarps * kTile;
+    const int64_t t0 = first + (int64_t)k * NW * kTile;
     const char* st = ring + (k % kHqmqStages) * TL.bytes;
     const uint32_t* s_kc = reinterpret_cast<const uint32_t*>(st + TL.kc);
     const uint32_t* s_vc = reinterpret_cast<const uint32_t*>(st + TL.vc);
@@ -491,7 +496,7 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
 }
 
 template <typename DType, int D, int FMT>
-__global__ void __launch_bounds__(kHqmqWarps * 32, 1)
+__global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
     HqmqDecodeAttentionKernel(HqmqAttnParams p, SplitPlan plan, HqmqSmem sm) {
   extern __shared__ __align__(16) char smem[];
   const int split = blockIdx.x;
@@ -539,7 +544,7 @@ __global__ void __launch_bounds__(kHqmqWarps * 32, 1)
   const int64_t tail = p.T - plan.t_main;
   if (tail > 0) {
     const int64_t nchunks = (tail + plan.tail_chunk - 1) / plan.tail_chunk;
-    const int64_t per_round = (int64_t)plan.ns * kHqmqWarps;
+    const int64_t per_round = (int64_t)plan.ns * hqmq_warps(D);
     for (int64_t k = split + (int64_t)plan.ns * warp; k < nchunks; k += per_round) {
       const int64_t a = plan.t_main + k * plan.tail_chunk;
       const int64_t e = a + plan.tail_chunk < p.T ? a + plan.tail_chunk : p.T;
@@ -547,14 +552,15 @@ __global__ void __launch_bounds__(kHqmqWarps * 32, 1)
         hqmq_load_token<D>(p, p.k, b, h, t, lane, kx);
         hqmq_load_token<D>(p, p.v, b, h, t, lane, vx);
       };
-      if (g <= 8)  // register arrays sized for the group (16 spills at D = 256)
-        warp_generic_loop<D, 8>(p.mask, p.mask_sb, p.scale, b, g, a, e, slot, s_q, load);
-      else
-        warp_generic_loop<D, kMaxGroup>(p.mask, p.mask_sb, p.scale, b, g, a, e, slot, s_q, load);
+      // heads in passes of <= 8 (independent softmax states; register arrays of 16 heads
+      // spill), each pass decoding the chunk's tokens again
+      for (int j0 = 0; j0 < g; j0 += 8)
+        warp_generic_loop<D, 8>(p.mask, p.mask_sb, p.scale, b, g - j0 < 8 ? g - j0 : 8, a, e,
+                                slot + j0 * (D + 2), s_q + j0 * D, load);
     }
   }
   __syncthreads();
-  write_split_partial<D, kHqmqWarps>(p.ws, regions, sm.region, b * p.Hq + h * g, g, plan.splits(), split);
+  write_split_partial<D, hqmq_warps(D)>(p.ws, regions, sm.region, b * p.Hq + h * g, g, plan.splits(), split);
 }
 
 }  // namespace attention
