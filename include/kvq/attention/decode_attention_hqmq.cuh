@@ -34,6 +34,9 @@
 //   lane walks the tile's records (broadcast loads); the lanes owning chunk c's channels add
 //   p[t][j] v into their accumulators.  Both steps are skipped (warp-uniform branch) for tiles
 //   without records, i.e. always at hqmq-3.79.
+// CTA: hqmq_warps(D) warps (12 at D <= 128, 4 at D = 256) sharing the codebooks.  The fragment
+// algorithm is emulated lane by lane on the CPU in tests/test_decode_attention_hqmq_emulation.py
+// (keep it in sync when changing the layouts below).
 // Generic path (tail tokens, g > 8, unaligned rows, codebooks too large for shared memory):
 //   warp_generic_loop with a loader that decodes each lane's elements in fp32 with
 //   vq::decode_chunk from the global secondary set (bit-identical to kvq.hqmq_decode) and adds
