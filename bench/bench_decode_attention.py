@@ -82,7 +82,7 @@ def main(argv=None):
                 rows.append([B, L, f"{name} {label}", f"{t['us']:.1f}", f"{eager:.1f}", f"{base / t['us']:.2f}",
                              f"{nbytes / 1e6:.0f}", f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
                 print(rows[-1], flush=True)
-                if name in ("kivi-2", "gear-2", "hqmq-3.79"):
+                if name in ("kivi-2", "gear-2", "hqmq-3.79", "hqmq-5"):
                     def deq_sdpa():
                         K, V = cache.dequantize(0)
                         return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)

@@ -168,6 +168,21 @@ at::Tensor decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS) {
   return run_decode_attention_cuda(c, "decode_attention_gear");
 }
 
+at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS) {
+  c10::cuda::CUDAGuard guard(q.device());
+  HqmqAttentionCall c = prepare_decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr,
+                                                      v_codes, v_scale, v_secondary, v_outliers, v_outlier_ptr,
+                                                      mask, k_radius_bits, v_radius_bits, scale);
+  auto& p = c.params;
+  const auto dt = dtype_id(c.q.scalar_type());
+  p.splits = attention::decode_attention_hqmq_splits(p, dt);
+  c.ws = at::empty({p.B * p.Hq * p.splits * (p.D + 2)}, c.q.options().dtype(at::kFloat));
+  p.ws = c.ws.data_ptr<float>();
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL("decode_attention_hqmq", attention::decode_attention_hqmq_cuda(p, dt, stream));
+  return c.out;
+}
+
 }  // namespace kvq
 
 TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
@@ -186,5 +201,6 @@ TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
   // ---- decode attention CUDA impls ----
   m.impl("decode_attention_gq", &kvq::decode_attention_gq_cuda);
   m.impl("decode_attention_gear", &kvq::decode_attention_gear_cuda);
+  m.impl("decode_attention_hqmq", &kvq::decode_attention_hqmq_cuda);
   // ---- end decode attention CUDA impls ----
 }

@@ -7,6 +7,7 @@
 #include "kvq/gear/gear.h"
 #include "kvq/linalg/power_svd.h"
 #include "kvq/attention/decode_attention.h"
+#include "kvq/attention/decode_attention_hqmq.h"
 #include "kvq/quant/group_quant.h"
 #include "kvq/select/outlier_topk.h"
 #include "kvq/vq/quaternion_vq.h"
@@ -169,6 +170,23 @@ at::Tensor decode_attention_gear_cpu(KVQ_DECODE_ATTN_GEAR_ARGS);
 #ifdef KVQ_WITH_CUDA
 DecodeAttentionCall prepare_decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS);
 at::Tensor decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS);
+#endif
+
+// ----- decode attention over HQMQ caches (csrc/decode_attention_hqmq.cpp) -----
+struct HqmqAttentionCall {
+  at::Tensor q, out, mask, ws, k_sec, v_sec, k_rec, v_rec, k_ptr, v_ptr;
+  attention::HqmqAttnParams params;
+};
+#define KVQ_DECODE_ATTN_HQMQ_ARGS                                                               \
+  const at::Tensor &q, const at::Tensor &k_codes, const at::Tensor &k_scale,                    \
+      const at::Tensor &k_secondary, const at::Tensor &k_outliers, const at::Tensor &k_outlier_ptr, \
+      const at::Tensor &v_codes, const at::Tensor &v_scale, const at::Tensor &v_secondary,      \
+      const at::Tensor &v_outliers, const at::Tensor &v_outlier_ptr,                            \
+      const std::optional<at::Tensor>&mask, int64_t k_radius_bits, int64_t v_radius_bits, double scale
+HqmqAttentionCall prepare_decode_attention_hqmq(KVQ_DECODE_ATTN_HQMQ_ARGS);
+at::Tensor decode_attention_hqmq_cpu(KVQ_DECODE_ATTN_HQMQ_ARGS);
+#ifdef KVQ_WITH_CUDA
+at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS);
 #endif
 
 }  // namespace kvq

@@ -56,6 +56,13 @@ TORCH_LIBRARY(kvq, m) {
   m.def("decode_attention_gear(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor k_residual,"
         " Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor v_residual, Tensor? mask, int bits,"
         " Tensor[] k_gear, Tensor[] v_gear, int prefill_tokens, int block_tokens, float scale) -> Tensor");
+  // HQMQ layer: per role codes int32 [B, H, T, W], scale fp16 [B, H, T], secondary fp32 [H, S, 4],
+  // outliers int32 [M, 4] ordered by (t / 32, b * H + h), outlier_ptr int64 CSR over that key
+  // ([ceil(T/32) * B * H + 1], or empty without records).  See decode_attention_hqmq.h.
+  m.def("decode_attention_hqmq(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_secondary,"
+        " Tensor k_outliers, Tensor k_outlier_ptr, Tensor v_codes, Tensor v_scale, Tensor v_secondary,"
+        " Tensor v_outliers, Tensor v_outlier_ptr, Tensor? mask, int k_radius_bits, int v_radius_bits,"
+        " float scale) -> Tensor");
   // ---- end decode attention ops ----
 }
 
@@ -75,5 +82,6 @@ TORCH_LIBRARY_IMPL(kvq, CPU, m) {
   // ---- decode attention CPU impls ----
   m.impl("decode_attention_gq", &kvq::decode_attention_gq_cpu);
   m.impl("decode_attention_gear", &kvq::decode_attention_gear_cpu);
+  m.impl("decode_attention_hqmq", &kvq::decode_attention_hqmq_cpu);
   // ---- end decode attention CPU impls ----
 }

@@ -8,7 +8,7 @@ from kvquant_ext.attention import reference_decode_attention
 from test_group_quant import make_kv
 
 GQ_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "int2-per-token", "flexgen-4", "fp16",
-              "gear-2", "hqmq-3.79", "hqmq-5"]  # gear-2: fused GEAR op; hqmq: dequantize path
+              "gear-2", "hqmq-3.79", "hqmq-5"]  # gear-2 / hqmq: their own fused ops
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 

@@ -77,3 +77,15 @@ cudaError_t decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cuda
 bool decode_attention_gear_cuda_ok(const DecodeAttnParams& p);
 }  // namespace attention
 }  // namespace kvq
+
+// ---- decode attention over HQMQ caches (csrc/cuda/decode_attention_hqmq_kernels.cu) ----
+#include "kvq/attention/decode_attention_hqmq.h"
+
+namespace kvq {
+namespace attention {
+/// \brief Number of token splits (partials in p.ws) the HQMQ launch will use for p.
+int decode_attention_hqmq_splits(const HqmqAttnParams& p, DTypeId dtype);
+/// \brief Fused HQMQ decode attention; p.ws must hold B * Hq * splits * (D + 2) floats.
+cudaError_t decode_attention_hqmq_cuda(const HqmqAttnParams& p, DTypeId dtype, cudaStream_t stream);
+}  // namespace attention
+}  // namespace kvq

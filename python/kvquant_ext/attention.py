@@ -1,8 +1,10 @@
 """Decode attention over a compressed :class:`~kvquant_ext.KVCache` layer.
 
 Group-quantized layers (KIVI, KCVT, per-token INT, FlexGen) run the fused
-``torch.ops.kvq.decode_attention_gq`` op, which reads the packed codes directly (tensor-core
-kernels on CUDA, a C++ loop on CPU).  FP16 layers use ``scaled_dot_product_attention``.
+``torch.ops.kvq.decode_attention_gq`` op, GEAR layers with the KIVI backbone
+``torch.ops.kvq.decode_attention_gear`` and HQMQ layers ``torch.ops.kvq.decode_attention_hqmq``;
+all read the packed codes directly (tensor-core kernels on CUDA, a C++ loop on CPU).  FP16
+layers use ``scaled_dot_product_attention``; KCVT-backbone GEAR layers dequantize.
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ import torch
 
 from . import _ops
 from .gear import GEARStream
+from .hqmq import HQMQStream
 from .streams import FullPrecisionStream, _QuantStream
 
 _warned = set()
 _MAX_GROUP = 16  # query heads per KV head in one kernel call
-_MAX_GROUP_GEAR = 8  # the GEAR kernel is the tensor-core path only (N = 8 query heads)
+_MAX_GROUP_TC = 8  # query heads per KV head of the tensor-core paths (the N = 8 mma columns)
 
 
 def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[float] = None, *,
@@ -84,32 +87,35 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
                                               kst.spec.bits, kg, vg, kst.T0,
                                               kst.config.buffer_length, float(scale))
 
-        out = _split_heads(run, qc, H, g, _MAX_GROUP_GEAR)
+        out = _split_heads(run, qc, H, g, _MAX_GROUP_TC)
+    elif path == "hqmq":
+        operands = (*kst.attention_operands(), *vst.attention_operands())
+
+        def run(qh):
+            return _ops.decode_attention_hqmq(qh, *operands, attn_mask, kst.config.radius_bits,
+                                              vst.config.radius_bits, float(scale))
+
+        # on CUDA the tensor-core path takes <= 8 query heads per KV head
+        out = _split_heads(run, qc, H, g, _MAX_GROUP_TC if qc.is_cuda else _MAX_GROUP)
     elif path == "fp16":
         out = _sdpa(qc, kst.dequantize(), vst.dequantize(), scale, attn_mask, Hq != H)
     else:
-        # NOTE: HQMQ layers, and GEAR layers the fused op does not cover (KCVT backbone;
-        # on CUDA also blocks that are not whole 32-token tiles or unaligned storage),
-        # attend over the layer dequantized by their own ops (correct, but reads a
-        # full-precision copy).
-        name = type(cache.config).__name__
-        if name not in _warned:
-            _warned.add(name)
-            warnings.warn(f"kvq.decode_attention: no fused kernel for {name} yet; dequantizing "
-                          "the layer each call", RuntimeWarning, stacklevel=2)
-        K, V = cache.dequantize(layer_idx)
-        out = _sdpa(qc, K, V, scale, attn_mask, Hq != H)
+        # NOTE: GEAR layers the fused op does not cover (KCVT backbone; on CUDA also blocks
+        # that are not whole 32-token tiles) attend over the layer dequantized by their own
+        # ops (correct, but reads a full-precision copy).
     out = out.to(q.dtype)
     return out if squeeze else out.unsqueeze(2)
 
 
 def _path(kst, vst, q) -> str:
-    """Which implementation attends over a layer: "gq" / "gear" (fused ops), "fp16" (SDPA)
+    """Which implementation attends over a layer: "gq" / "gear" / "hqmq" (fused ops), "fp16" (SDPA)
     or "dequantize" (the layer dequantized, then SDPA)."""
     if isinstance(kst, _QuantStream) and isinstance(vst, _QuantStream):
         return "gq"
     if isinstance(kst, GEARStream) and _gear_fused_ok(kst, vst, q):
         return "gear"
+    if isinstance(kst, HQMQStream) and isinstance(vst, HQMQStream):
+        return "hqmq"
     if isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
         return "fp16"
     return "dequantize"
@@ -119,7 +125,7 @@ def uses_fused_kernel(cache, layer_idx: int, q: torch.Tensor) -> bool:
     """True when :func:`decode_attention` reads layer ``layer_idx`` of ``cache`` through a
     fused op for queries like ``q`` (False: FP16 SDPA, or dequantize then SDPA)."""
     layer = cache._layer(layer_idx)
-    return _path(layer.key, layer.value, q) in ("gq", "gear")
+    return _path(layer.key, layer.value, q) in ("gq", "gear", "hqmq")
 
 
 def _split_heads(run, qc, H, g, max_group):

@@ -18,6 +18,7 @@ from .compressed import Compressed, check_cache_tensor
 from .streams import Growable, Stream
 
 _ROLE_IDS = {"key": 0, "value": 1}
+TILE = 32  # tokens per tile of the outlier index (kHqmqTile in decode_attention_hqmq.h)
 
 
 def derive_seed(seed: int, layer_idx: int, role: str) -> int:
@@ -103,14 +104,25 @@ class HQMQStream(Stream):
     """HQMQ storage of one role of one layer: every token is encoded on arrival (no
     full-precision buffer).  Med3x: the threshold is fixed from the first non-empty append
     (the prefill) and reused for every later token; the secondary sets come from
-    ``derive_seed(config.seed, layer_idx, role)``."""
+    ``derive_seed(config.seed, layer_idx, role)``.
+
+    Outlier index (Med3x only): the stream keeps its records ordered by the key
+    ``(t // 32) * B * H + n`` (32-token tile, then row ``n = b * H + h``) and ``outlier_ptr``,
+    the int64 CSR offsets over that key (``ceil(T / 32) * B * H + 1`` entries), so the fused
+    decode attention finds the records of the tiles it reads.  An append re-sorts only the
+    records of the tiles it touches (the last, partial tile and the new ones) and rewrites
+    their offsets; the index costs 64 bits per (tile, row) and is counted in ``nbytes``."""
 
     def __init__(self, config, role: str, *, layer_idx: int = 0, check_finite: bool = True):
         super().__init__()
         derive_seed(config.seed, layer_idx, role)  # validates role and layer_idx
         self.config, self.role, self.layer_idx = config, role, layer_idx
         self.check_finite = check_finite
-        self.codes, self.scale, self.outliers = Growable(), Growable(), Growable()
+        # capacity in whole 32-token tiles: every head's codes and scales start 16-byte aligned
+        # (the fused decode attention's tensor-core path copies them with 16-byte cp.async)
+        self.codes, self.scale = Growable(align=32), Growable(align=32)
+        self.outliers = Growable()
+        self.outlier_ptr = Growable()  # [1, 1, ceil(T / 32) * B * H + 1] int64 (Med3x only)
         self.secondary: Optional[torch.Tensor] = None
         self.threshold: Optional[torch.Tensor] = None
 
@@ -128,11 +140,57 @@ class HQMQStream(Stream):
             self.threshold = med3_threshold(x, self.config.outlier_factor)
         codes, scale, rec = _ops.hqmq_encode(x, self.secondary, self.config.radius_bits,
                                              self.threshold, check_finite=self.check_finite)
-        if rec.shape[0]:
-            rec[:, 0] += self.codes.length  # token index within the stream
-            self.outliers.append(rec.view(1, 1, -1, 4))
+        L0 = self.codes.length
+        rec[:, 0] += L0  # token index within the stream
         self.codes.append(codes)
         self.scale.append(scale)
+        if self.config.outlier_factor is not None:
+            self._index_append(rec, L0, self.codes.length)
+        elif rec.shape[0]:
+            self.outliers.append(rec.view(1, 1, -1, 4))
+
+    def _index_append(self, rec: torch.Tensor, L0: int, L1: int) -> None:
+        """Insert the records ``rec`` of tokens [L0, L1) (t already shifted) in key order and
+        rewrite the offsets of the tiles from ``L0 // 32`` on."""
+        B, H, _ = self._shape
+        BH = B * H
+        j0, j1 = L0 // TILE, (L1 + TILE - 1) // TILE
+        ptr = self.outlier_ptr.view()
+        if ptr is None:
+            start = 0
+            self.outlier_ptr.append(torch.zeros((1, 1, 1), dtype=torch.int64, device=rec.device))
+        else:
+            start = int(ptr[0, 0, j0 * BH])  # one sync (the Med3x encode already syncs)
+        old = self.outliers.view()
+        tail = old[0, 0, start:] if old is not None else rec[:0]
+        allr = torch.cat([tail, rec]) if rec.shape[0] else tail.clone()
+        key = (allr[:, 0].long() // TILE - j0) * BH + (allr[:, 1].long() >> 8)
+        order = torch.argsort(key, stable=True)
+        counts = torch.bincount(key, minlength=(j1 - j0) * BH)
+        ends = start + torch.cumsum(counts, 0)
+        self.outliers.length = start
+        if allr.shape[0]:
+            self.outliers.append(allr[order].view(1, 1, -1, 4))
+        self.outlier_ptr.length = j0 * BH + 1
+        self.outlier_ptr.append(ends.view(1, 1, -1))
+
+    def _rebuild_index(self) -> None:
+        """Sort every record by key and rebuild ``outlier_ptr`` (after load_state_dict)."""
+        rec = self._records()
+        self.outliers.reset(None)
+        self.outlier_ptr.reset(None)
+        if self.codes.length:
+            self._index_append(rec, 0, self.codes.length)
+
+    def attention_operands(self):
+        """(codes, scale, secondary, outliers, outlier_ptr) for
+        ``kvq.ops.decode_attention_hqmq`` (records in index order; ``outlier_ptr`` empty
+        without Med3x)."""
+        rec = self._records()
+        ptr = self.outlier_ptr.view()
+        if ptr is None:
+            ptr = torch.empty((0,), dtype=torch.int64, device=self.device)
+        return self.codes.view(), self.scale.view(), self.secondary, rec, ptr.reshape(-1)
 
     def _records(self) -> torch.Tensor:
         v = self.outliers.view()
@@ -156,8 +214,8 @@ class HQMQStream(Stream):
 
     def tensors(self):
         return {"codes": self.codes.view(), "scale": self.scale.view(),
-                "outliers": self.outliers.view(), "secondary": self.secondary,
-                "threshold": self.threshold}
+                "outliers": self.outliers.view(), "outlier_ptr": self.outlier_ptr.view(),
+                "secondary": self.secondary, "threshold": self.threshold}
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         sd = super().state_dict()
@@ -173,6 +231,8 @@ class HQMQStream(Stream):
         self.outliers.reset(state.get("outliers"))
         self.secondary = state.get("secondary")
         self.threshold = state.get("threshold")
+        if self.config.outlier_factor is not None:
+            self._rebuild_index()  # (any stored "outlier_ptr" is recomputed, not trusted)
         if self.secondary is None:
             B, H, D = self._shape
             self.secondary = hqmq_secondary(H, self.config.secondary_size, self.config.seed,

@@ -14,19 +14,25 @@ from .config import QuantSpec
 
 
 class Growable:
-    """A tensor that grows along dim 2 with amortised (doubling) reallocation."""
+    """A tensor that grows along dim 2 with amortised (doubling) reallocation.  ``align``:
+    the capacity along dim 2 is a multiple of it (e.g. so that fused kernels can read rows of
+    every head with 16-byte loads)."""
 
-    def __init__(self):
+    def __init__(self, align: int = 1):
         self.buf: Optional[torch.Tensor] = None
         self.length = 0
+        self.align = align
+
+    def _cap(self, n: int) -> int:
+        return -(-n // self.align) * self.align
 
     def append(self, t: torch.Tensor) -> None:
         n = t.shape[2]
         if self.buf is None:
-            self.buf = torch.empty((*t.shape[:2], max(n, 16), *t.shape[3:]), dtype=t.dtype,
-                                   device=t.device)
+            self.buf = torch.empty((*t.shape[:2], self._cap(max(n, 16)), *t.shape[3:]),
+                                   dtype=t.dtype, device=t.device)
         elif self.length + n > self.buf.shape[2]:
-            cap = max(self.length + n, 2 * self.buf.shape[2])
+            cap = self._cap(max(self.length + n, 2 * self.buf.shape[2]))
             nb = torch.empty((*self.buf.shape[:2], cap, *self.buf.shape[3:]), dtype=self.buf.dtype,
                              device=self.buf.device)
             nb[:, :, :self.length] = self.buf[:, :, :self.length]

@@ -687,11 +687,14 @@ __device__ __forceinline__ void load_token(const QuantKV& s, int64_t b, int64_t 
   }
 }
 
-template <typename DType, int D, int MAXG>
-__device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
-                             int64_t t_end, float* slot, const float* s_q) {
-  // Continues the warp's running (m, l, acc) from `slot` over tokens [t_begin, t_end), one
-  // token per step, and writes it back.
+/// \brief The generic path's loop, shared by the decode-attention kernels: continues the
+/// warp's running (m, l, acc) from `slot` over tokens [t_begin, t_end), one token per step, and
+/// writes it back.  `load(t, kx, vx)` fills this lane's D / 32 key and value elements (lane
+/// owns elements [lane * D / 32, (lane + 1) * D / 32)); `s_q` is q as floats [g][D].
+template <int D, int MAXG, typename Load>
+__device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t mask_sb, float scale, int64_t b,
+                                                  int g, int64_t t_begin, int64_t t_end, float* slot,
+                                                  const float* s_q, Load&& load) {
   constexpr int EPL = D / 32;
   const int lane = threadIdx.x % 32;
   float m[MAXG], l[MAXG], acc[MAXG][EPL];
@@ -704,12 +707,11 @@ __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, in
     for (int e = 0; e < EPL; ++e) acc[j][e] = row[2 + lane * EPL + e];
   }
   __syncwarp();
-  const float sl = p.scale * kLog2e;
+  const float sl = scale * kLog2e;
   for (int64_t t = t_begin; t < t_end; ++t) {
-    if (p.mask != nullptr && p.mask[b * p.mask_sb + t] == 0) continue;
+    if (mask != nullptr && mask[b * mask_sb + t] == 0) continue;
     float kx[EPL], vx[EPL];
-    load_token<DType, D>(p.k, b, h, t, lane, kx);
-    load_token<DType, D>(p.v, b, h, t, lane, vx);
+    load(t, kx, vx);
 #pragma unroll
     for (int j = 0; j < MAXG; ++j) {
       if (j >= g) break;
@@ -736,6 +738,45 @@ __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, in
     if (lane == 0) row[0] = m[j], row[1] = l[j];
   }
   __syncwarp();
+}
+
+template <typename DType, int D, int MAXG>
+__device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
+                             int64_t t_end, float* slot, const float* s_q) {
+  const int lane = threadIdx.x % 32;
+  warp_generic_loop<D, MAXG>(p.mask, p.mask_sb, p.scale, b, g, t_begin, t_end, slot, s_q,
+                             [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
+                               load_token<DType, D>(p.k, b, h, t, lane, kx);
+                               load_token<DType, D>(p.v, b, h, t, lane, vx);
+                             });
+}
+
+/// \brief Merge the NW warp slots of a CTA (slot w at `slots + w * stride`, [g][D + 2] floats
+/// of (m, l, acc) each) and write the CTA's split partial: rows row0 .. row0 + g - 1 of the
+/// workspace [B * Hq, splits, D + 2].
+template <int D, int NW>
+__device__ __forceinline__ void write_split_partial(float* ws, const char* slots, size_t stride, int64_t row0,
+                                                    int g, int64_t splits, int split) {
+  for (int x = threadIdx.x; x < g * (D + 2); x += blockDim.x) {
+    const int j = x / (D + 2), col = x % (D + 2);
+    auto wslot = [&](int w) { return reinterpret_cast<const float*>(slots + w * stride) + j * (D + 2); };
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) M = fmaxf(M, wslot(w)[0]);
+    float out = 0.f;
+    if (col == 0) {
+      out = M;
+    } else {
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float mw = wslot(w)[0];
+        const float wgt = (M == -INFINITY) ? 0.f : exp2f(mw - M);
+        out += wgt * wslot(w)[col];
+      }
+    }
+    const int64_t row = (row0 + j) * splits + split;
+    ws[row * (D + 2) + col] = out;
+  }
 }
 
 /// \brief How the token axis is split over CTAs (computed on the host).  Every CTA of a
@@ -824,27 +865,7 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   }
   __syncthreads();
   // ---- merge the warps and write the split partial ----
-  const int64_t S = plan.splits();
-  for (int x = threadIdx.x; x < g * (D + 2); x += blockDim.x) {
-    const int j = x / (D + 2), col = x % (D + 2);
-    auto wslot = [&](int w) { return reinterpret_cast<const float*>(smem + qbytes + w * wbytes) + j * (D + 2); };
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, wslot(w)[0]);
-    float out = 0.f;
-    if (col == 0) {
-      out = M;
-    } else {
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = wslot(w)[0];
-        const float wgt = (M == -INFINITY) ? 0.f : exp2f(mw - M);
-        out += wgt * wslot(w)[col];
-      }
-    }
-    const int64_t row = (b * p.Hq + h * g + j) * S + split;
-    p.ws[row * (D + 2) + col] = out;
-  }
+  write_split_partial<D, kWarps>(p.ws, smem + qbytes, wbytes, b * p.Hq + h * g, g, plan.splits(), split);
 }
 
 /// \brief Merge split partials: out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - M).
@@ -899,18 +920,15 @@ inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
   return true;
 }
 
-/// \brief Split plan.  `ctas_per_sm`: resident CTAs per SM of the kernel that will run.  The
-/// mma path is sized to whole waves: ns minimises ceil(ns * BH / slots) / ns.
-inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, int ctas_per_sm) {
+/// \brief Split plan for T tokens of which [0, t_main) (a multiple of kTile) go through an
+/// mma path, BH (batch, KV head) rows, CTAs of `warps` warps, `ctas_per_sm` resident CTAs per
+/// SM of the kernel that will run.  The mma path is sized to whole waves: ns minimises
+/// ceil(ns * BH / slots) / ns.
+inline SplitPlan split_plan(int64_t t_main, int64_t T, int64_t BH, int num_sms, int ctas_per_sm, int warps) {
   SplitPlan plan;
-  const int64_t BH = p.B * p.H;
   const int64_t slots = (int64_t)num_sms * (ctas_per_sm > 0 ? ctas_per_sm : 1);
-  if (decode_attention_mma_ok(p)) {
-    int64_t tq = p.k.Tq < p.v.Tq ? p.k.Tq : p.v.Tq;
-    if (tq > p.T) tq = p.T;
-    plan.t_main = (tq / kTile) * kTile;
-  }
-  constexpr int64_t kStep = kWarps * kTile;  // tokens per CTA step (one tile per warp)
+  plan.t_main = t_main;
+  const int64_t kStep = (int64_t)warps * kTile;  // tokens per CTA step (one tile per warp)
   if (plan.t_main > 0) {
     const int64_t steps = (plan.t_main + kStep - 1) / kStep;
     const int64_t max_ns = (steps + 1) / 2 > 0 ? (steps + 1) / 2 : 1;  // >= 2 tiles per warp
@@ -931,18 +949,29 @@ inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, i
     plan.ns = (int)((plan.t_main + plan.chunk_main - 1) / plan.chunk_main);
   } else {
     const int64_t want = (4 * (int64_t)num_sms + BH - 1) / BH;
-    const int64_t max_ns = (p.T + 63) / 64;
+    const int64_t max_ns = (T + 63) / 64;
     plan.ns = (int)(want < max_ns ? (want > 0 ? want : 1) : (max_ns > 0 ? max_ns : 1));
   }
-  const int64_t tail = p.T - plan.t_main;
+  const int64_t tail = T - plan.t_main;
   if (tail > 0) {
-    const int64_t workers = (int64_t)plan.ns * kWarps;
+    const int64_t workers = (int64_t)plan.ns * warps;
     // the generic path is latency-bound (~2 us per token per warp on the H200): spread the
     // tail as thinly as the CTAs allow, at least 2 tokens per chunk
     int64_t tc = (tail + workers - 1) / workers;
     plan.tail_chunk = tc < 2 ? 2 : tc;
   }
   return plan;
+}
+
+/// \brief Split plan of the group-quantized kernels (see split_plan).
+inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, int ctas_per_sm) {
+  int64_t t_main = 0;
+  if (decode_attention_mma_ok(p)) {
+    int64_t tq = p.k.Tq < p.v.Tq ? p.k.Tq : p.v.Tq;
+    if (tq > p.T) tq = p.T;
+    t_main = (tq / kTile) * kTile;
+  }
+  return split_plan(t_main, p.T, p.B * p.H, num_sms, ctas_per_sm, kWarps);
 }
 
 template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false>

@@ -1,0 +1,84 @@
+// HQMQ decode-attention entry points: shared-memory plan, split plan (sized by the occupancy of
+// the instantiation that will run), launch of HqmqDecodeAttentionKernel and of the shared
+// split-combine kernel.  Kernels: include/kvq/attention/decode_attention_hqmq.cuh.
+#include "kvq/attention/decode_attention_hqmq.cuh"
+#include "kvq/cuda_api.h"
+#include "kvq/quant/group_quant.cuh"
+
+namespace kvq {
+namespace attention {
+
+// EXPR(D, FMT) for head dim p.D and field format fmt (HqmqFmt: 1 = hqmq-3.79, 2 = hqmq-5,
+// 0 = runtime field widths).
+#define KVQ_HQMQ_FMT(EXPR, D)                     \
+  switch (fmt) {                                  \
+    case 1: return EXPR(D, 1);                    \
+    case 2: return EXPR(D, 2);                    \
+    default: return EXPR(D, 0);                   \
+  }
+#define KVQ_HQMQ_DISPATCH(EXPR)                   \
+  switch (p.D) {                                  \
+    case 32: KVQ_HQMQ_FMT(EXPR, 32)               \
+    case 64: KVQ_HQMQ_FMT(EXPR, 64)               \
+    case 128: KVQ_HQMQ_FMT(EXPR, 128)             \
+    default: KVQ_HQMQ_FMT(EXPR, 256)              \
+  }
+
+/// Resident CTAs per SM of one instantiation at `smem` bytes (0 on error); cached per size.
+template <typename DType, int D, int FMT>
+static int hqmq_occupancy(size_t smem) {
+  static size_t cached_smem = 0;  // benign race: same value from every thread
+  static int cached_n = 0;
+  if (cached_n > 0 && cached_smem == smem) return cached_n;
+  auto kernel = HqmqDecodeAttentionKernel<DType, D, FMT>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess) return 0;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, hqmq_warps(D) * 32, smem) != cudaSuccess) return 0;
+  cached_smem = smem, cached_n = n;
+  return n;
+}
+
+static SplitPlan hqmq_plan(const HqmqAttnParams& p, const HqmqSmem& sm, DTypeId dtype) {
+  const int fmt = hqmq_fmt(p);
+#define KVQ_OCC(D, FMT) hqmq_occupancy<DType, D, FMT>(sm.total)
+  const int occ = KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> int { KVQ_HQMQ_DISPATCH(KVQ_OCC) });
+#undef KVQ_OCC
+  const int64_t t_main = sm.mma ? (p.T / kTile) * kTile : 0;
+  return split_plan(t_main, p.T, p.B * p.H, quant::num_sms(), occ, hqmq_warps(p.D));
+}
+
+int decode_attention_hqmq_splits(const HqmqAttnParams& p, DTypeId dtype) {
+  return hqmq_plan(p, hqmq_smem_plan(p), dtype).splits();
+}
+
+template <typename DType, int D, int FMT>
+static cudaError_t launch_hqmq(const HqmqAttnParams& p, const SplitPlan& plan, const HqmqSmem& sm,
+                               cudaStream_t stream) {
+  auto kernel = HqmqDecodeAttentionKernel<DType, D, FMT>;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm.total);
+  if (e != cudaSuccess) return e;
+  dim3 grid((unsigned)plan.splits(), (unsigned)(p.B * p.H));
+  kernel<<<grid, hqmq_warps(D) * 32, sm.total, stream>>>(p, plan, sm);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  DecodeAttnParams cp;  // the combine kernel reads only ws and writes out
+  cp.ws = p.ws;
+  cp.out = p.out;
+  DecodeAttentionCombineKernel<DType, D>
+      <<<(unsigned)(p.B * p.Hq), D < 128 ? D : 128, 0, stream>>>(cp, plan.splits());
+  return cudaGetLastError();
+}
+
+cudaError_t decode_attention_hqmq_cuda(const HqmqAttnParams& p, DTypeId dtype, cudaStream_t stream) {
+  if (!(p.D == 32 || p.D == 64 || p.D == 128 || p.D == 256)) return cudaErrorInvalidValue;
+  const HqmqSmem sm = hqmq_smem_plan(p);
+  const SplitPlan plan = hqmq_plan(p, sm, dtype);
+  if (plan.splits() != p.splits) return cudaErrorInvalidValue;
+  const int fmt = hqmq_fmt(p);
+#define KVQ_LAUNCH(D, FMT) launch_hqmq<DType, D, FMT>(p, plan, sm, stream)
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t { KVQ_HQMQ_DISPATCH(KVQ_LAUNCH) });
+#undef KVQ_LAUNCH
+}
+
+}  // namespace attention
+}  // namespace kvq

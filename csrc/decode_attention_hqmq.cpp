@@ -1,0 +1,145 @@
+// kvq.decode_attention_hqmq: decode attention over an HQMQ cache layer (packed codes, fp16
+// radius scales, Med3x records + their tile index, per role).  Argument checks, the CPU
+// implementation, and (with CUDA) the call of the fused kernel in cuda_bindings.cpp.
+// Built with -ffp-contract=off like hqmq.cpp so the CPU twin decodes exactly like
+// kvq.hqmq_decode.
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "kvq/attention/decode_attention_hqmq.h"
+#include "ops.h"
+#include "utils.h"
+
+namespace kvq {
+
+static const char* kOp = "decode_attention_hqmq";
+
+static attention::HqmqKV make_hqmq_role(const char* role, const at::Tensor& q, const at::Tensor& codes,
+                                        const at::Tensor& scale, const at::Tensor& secondary,
+                                        const at::Tensor& outliers, const at::Tensor& outlier_ptr,
+                                        int64_t radius_bits, int64_t B, int64_t H, int64_t D) {
+  const std::string r(role);
+  const auto cn = r + "_codes", sn = r + "_scale", secn = r + "_secondary", on = r + "_outliers",
+             pn = r + "_outlier_ptr", rbn = r + "_radius_bits";
+  KVQ_CHECK_ARG(radius_bits >= 1 && radius_bits <= 8, kOp, rbn.c_str(), "must be in 1..8, got ", radius_bits);
+  CHECK_DTYPE(kOp, codes, cn.c_str(), at::kInt);
+  CHECK_DTYPE(kOp, scale, sn.c_str(), at::kHalf);
+  CHECK_DTYPE(kOp, secondary, secn.c_str(), at::kFloat);
+  CHECK_DTYPE(kOp, outliers, on.c_str(), at::kInt);
+  CHECK_DTYPE(kOp, outlier_ptr, pn.c_str(), at::kLong);
+  CHECK_DIM(kOp, codes, cn.c_str(), 4);
+  CHECK_DIM(kOp, scale, sn.c_str(), 3);
+  CHECK_DIM(kOp, secondary, secn.c_str(), 3);
+  CHECK_DIM(kOp, outliers, on.c_str(), 2);
+  CHECK_DIM(kOp, outlier_ptr, pn.c_str(), 1);
+  for (const at::Tensor* t : {&codes, &scale, &secondary, &outliers, &outlier_ptr}) {
+    const char* name = t == &codes ? cn.c_str() : t == &scale ? sn.c_str() : t == &secondary ? secn.c_str()
+                       : t == &outliers ? on.c_str() : pn.c_str();
+    CHECK_SAME_DEVICE(kOp, q, "q", *t, name);
+  }
+  const int64_t T = codes.size(2);
+  KVQ_CHECK_ARG(codes.size(0) == B && codes.size(1) == H, kOp, cn.c_str(), "must be [B=", B, ", H=", H,
+                ", T, W], got ", codes.sizes());
+  KVQ_CHECK_ARG(secondary.size(0) == H && secondary.size(2) == 4 && secondary.size(1) >= 1 &&
+                    secondary.size(1) <= vq::kMaxSecondary,
+                kOp, secn.c_str(), "must be [H=", H, ", S, 4] with S in 1..", vq::kMaxSecondary, ", got ",
+                secondary.sizes());
+  const int64_t S = secondary.size(1);
+  const int W = vq::hqmq_words(D, S, (int)radius_bits);
+  KVQ_CHECK_ARG(codes.size(3) == W, kOp, cn.c_str(), "must have ", W, " words per token (D=", D, ", S=", S,
+                ", radius_bits=", radius_bits, "), got ", codes.size(3));
+  KVQ_CHECK_ARG(codes.numel() == 0 || (codes.stride(3) == 1 && codes.stride(2) == W), kOp, cn.c_str(),
+                "must be contiguous in its last two dims");
+  KVQ_CHECK_ARG(scale.size(0) == B && scale.size(1) == H && scale.size(2) == T, kOp, sn.c_str(),
+                "must be [B=", B, ", H=", H, ", T=", T, "], got ", scale.sizes());
+  KVQ_CHECK_ARG(scale.numel() == 0 || scale.stride(2) == 1, kOp, sn.c_str(), "must be contiguous in its last dim");
+  KVQ_CHECK_ARG(outliers.size(1) == 4, kOp, on.c_str(), "must be [M, 4] Med3x records, got ", outliers.sizes());
+  const int64_t M = outliers.size(0);
+  const int64_t nptr = (T + attention::kHqmqTile - 1) / attention::kHqmqTile * B * H + 1;
+  KVQ_CHECK_ARG(outlier_ptr.size(0) == nptr || (M == 0 && outlier_ptr.size(0) == 0), kOp, pn.c_str(),
+                "must hold ceil(T/32)*B*H+1=", nptr, " offsets (or be empty when there are no records), got ",
+                outlier_ptr.size(0));
+  attention::HqmqKV s;
+  s.codes = codes.numel() ? codes.data_ptr<int32_t>() : nullptr;
+  s.scale = scale.numel() ? reinterpret_cast<const uint16_t*>(scale.data_ptr()) : nullptr;
+  s.codes_sb = codes.stride(0), s.codes_sh = codes.stride(1);
+  s.scale_sb = scale.stride(0), s.scale_sh = scale.stride(1);
+  s.S = S;
+  s.radius_bits = (int)radius_bits;
+  s.field_bits = vq::hqmq_dir_bits(S) + (int)radius_bits;
+  s.words = W;
+  s.num_outliers = M;
+  return s;
+}
+
+HqmqAttentionCall prepare_decode_attention_hqmq(
+    const at::Tensor& q_in, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& k_secondary,
+    const at::Tensor& k_outliers, const at::Tensor& k_outlier_ptr, const at::Tensor& v_codes,
+    const at::Tensor& v_scale, const at::Tensor& v_secondary, const at::Tensor& v_outliers,
+    const at::Tensor& v_outlier_ptr, const std::optional<at::Tensor>& mask, int64_t k_radius_bits,
+    int64_t v_radius_bits, double scale) {
+  CHECK_FLOATING(kOp, q_in, "q");
+  CHECK_DIM(kOp, q_in, "q", 3);
+  HqmqAttentionCall c;
+  c.q = contiguous_aligned(q_in);
+  const int64_t B = c.q.size(0), Hq = c.q.size(1), D = c.q.size(2);
+  KVQ_CHECK_ARG(D == 32 || D == 64 || D == 128 || D == 256, kOp, "q", "head dim must be 32, 64, 128 or 256, got ", D);
+  CHECK_DIM(kOp, k_codes, "k_codes", 4);
+  const int64_t H = k_codes.size(1);
+  KVQ_CHECK_ARG(H > 0 && Hq % H == 0, kOp, "q", "has ", Hq, " heads, which is not a multiple of the cache's ", H,
+                " KV heads");
+  KVQ_CHECK_ARG(Hq / H <= 16, kOp, "q", "has ", Hq / H, " query heads per KV head; at most 16 are supported "
+                "per call (split the query heads)");
+  KVQ_CHECK_ARG(B * H < ((int64_t)1 << 23), kOp, "k_codes", "has too many rows (B*H must be < 2^23)");
+  auto& p = c.params;
+  // contiguous copies of the small tensors (secondary, records, index); codes/scale are read
+  // through their batch/head strides
+  c.k_sec = k_secondary.contiguous(), c.v_sec = v_secondary.contiguous();
+  c.k_rec = contiguous_aligned(k_outliers), c.v_rec = contiguous_aligned(v_outliers);  // int4 loads
+  c.k_ptr = k_outlier_ptr.contiguous(), c.v_ptr = v_outlier_ptr.contiguous();
+  p.k = make_hqmq_role("k", c.q, k_codes, k_scale, c.k_sec, c.k_rec, c.k_ptr, k_radius_bits, B, H, D);
+  p.v = make_hqmq_role("v", c.q, v_codes, v_scale, c.v_sec, c.v_rec, c.v_ptr, v_radius_bits, B, H, D);
+  const int64_t T = k_codes.size(2);
+  KVQ_CHECK(T == v_codes.size(2), "kvq.", kOp, ": keys hold ", T, " tokens but values hold ", v_codes.size(2));
+  KVQ_CHECK(T > 0, "kvq.", kOp, ": the cache layer is empty (T = 0)");
+  p.k.secondary = c.k_sec.data_ptr<float>(), p.v.secondary = c.v_sec.data_ptr<float>();
+  p.k.outliers = c.k_rec.numel() ? c.k_rec.data_ptr<int32_t>() : nullptr;
+  p.v.outliers = c.v_rec.numel() ? c.v_rec.data_ptr<int32_t>() : nullptr;
+  p.k.outlier_ptr = c.k_ptr.numel() ? c.k_ptr.data_ptr<int64_t>() : nullptr;
+  p.v.outlier_ptr = c.v_ptr.numel() ? c.v_ptr.data_ptr<int64_t>() : nullptr;
+  if (mask.has_value() && mask->defined()) {
+    CHECK_DIM(kOp, *mask, "mask", 2);
+    CHECK_SAME_DEVICE(kOp, c.q, "q", *mask, "mask");
+    KVQ_CHECK_ARG(mask->size(0) == B && mask->size(1) == T, kOp, "mask", "must be [B=", B, ", T=", T, "], got ",
+                  mask->sizes());
+    c.mask = mask->to(at::kByte).contiguous();
+    p.mask = c.mask.data_ptr<uint8_t>();
+    p.mask_sb = T;
+  }
+  c.out = at::empty_like(c.q);
+  p.q = c.q.data_ptr();
+  p.out = c.out.data_ptr();
+  p.B = B, p.H = H, p.Hq = Hq, p.D = D, p.T = T;
+  p.scale = (float)scale;
+  return c;
+}
+
+at::Tensor decode_attention_hqmq_cpu(KVQ_DECODE_ATTN_HQMQ_ARGS) {
+  HqmqAttentionCall c = prepare_decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr,
+                                                      v_codes, v_scale, v_secondary, v_outliers, v_outlier_ptr,
+                                                      mask, k_radius_bits, v_radius_bits, scale);
+  const auto& p = c.params;
+  translate_errors([&] {
+    KVQ_DISPATCH_DTYPE(dtype_id(c.q.scalar_type()), DType, [&] {
+      at::parallel_for(0, p.B * p.H, 1, [&](int64_t b0, int64_t e0) {
+        std::vector<float> row, buf;
+        for (int64_t bh = b0; bh < e0; ++bh)
+          attention::hqmq_decode_attention_cpu<DType>(p, bh / p.H, bh % p.H, row, buf);
+      });
+    });
+  });
+  return c.out;
+}
+
+}  // namespace kvq

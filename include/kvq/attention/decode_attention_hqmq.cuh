@@ -1,0 +1,570 @@
+// Fused decode attention over an HQMQ cache layer (params, outlier index and CPU twin:
+// decode_attention_hqmq.h).  Torch-free.  Same flash-decoding skeleton as the group-quantized
+// kernel (decode_attention.cuh, whose helpers this reuses): the token axis is split over CTAs
+// (SplitPlan / split_plan), each warp runs its own online softmax over 32-token tiles streamed
+// through a per-warp cp.async ring, the CTA merges its warps (write_split_partial) and
+// DecodeAttentionCombineKernel merges the splits from the workspace [B * Hq, splits, D + 2].
+//
+// Codebooks.  At kernel start the CTA builds, for its KV head h and each role, the 24 S
+// codewords P[p] . secondary[h, s] (same Hamilton product as the CPU twin, fp32, then rounded
+// to fp16x4 = 8 bytes, index dir = s * 24 + p) in shared memory: 18 KB per role at S = 96,
+// 36 KB at S = 192.
+//
+// Tensor-core path (full 32-token tiles, transposed form as in decode_attention.cuh):
+//   scores  S^T[t, j]  = mma(A = K (tokens x channels), B = (q / max|q|)^T)
+//   output  O^T[d, j] += mma(A = V^T (channels x tokens), B = P^T)
+//  K A-fragments: k-step kk covers chunks 4kk .. 4kk + 3 (16 channels); the columns are
+//   permuted so that lane quad c owns exactly chunk 4kk + c: A columns 2c, 2c+1, 2c+8, 2c+9 =
+//   the chunk's elements 0..3 (the q B-fragment follows: b0 = elements 0, 1, b1 = 2, 3 of head
+//   i).  Per (token, chunk): one funnel shift of two shared-memory words gives the field, the
+//   codeword is one 8-byte shared load, and the element is codeword x rcode (HMUL2, exact
+//   integer rcode <= 255 as fp16).  The per-token radius step scale / (2^RB - 1) and the q
+//   normaliser are applied to the fp32 score afterwards.
+//  V A-fragments: m-tile mv covers chunks 4mv .. 4mv + 3 with rows permuted so that rows i and
+//   i + 8 are elements (i & 1) and (i & 1) + 2 of chunk 4mv + i / 2.  Lanes i and i ^ 1 need
+//   the same chunk of tokens 2c, 2c+1, 2c+8, 2c+9: the even lane decodes the first two, the odd
+//   lane the last two (per-token step folded in: codeword x fp16(rcode x step)), byte_perm
+//   splits the element pairs and one xor-4 shuffle per register pair swaps the halves the
+//   partner needs, so each (token, chunk) is decoded once.  Output channel of acc[mv][e]:
+//   4 (4 mv + i / 2) + (i & 1) + 2 (e >> 1).
+//  Med3x records of the tile (outlier index, decode_attention_hqmq.h): keys: each lane takes
+//   records lane, lane + 32, ..., adds q_j . v (fp32, unnormalised q) into a per-warp [32][8]
+//   shared buffer with shared atomics, and the buffer is added to the scaled scores before the
+//   softmax.  Values: after the softmax the lanes store p[t][j] into the same buffer and every
+//   lane walks the tile's records (broadcast loads); the lanes owning chunk c's channels add
+//   p[t][j] v into their accumulators.  Both steps are skipped (warp-uniform branch) for tiles
+//   without records, i.e. always at hqmq-3.79.
+// CTA: hqmq_warps(D) warps (12 at D <= 128, 4 at D = 256) sharing the codebooks.  The fragment
+// algorithm is emulated lane by lane on the CPU in tests/test_decode_attention_hqmq_emulation.py
+// (keep it in sync when changing the layouts below).
+// Generic path (tail tokens, g > 8, unaligned rows, codebooks too large for shared memory):
+//   warp_generic_loop with a loader that decodes each lane's elements in fp32 with
+//   vq::decode_chunk from the global secondary set (bit-identical to kvq.hqmq_decode) and adds
+//   the token's records.
+#pragma once
+#include "kvq/attention/decode_attention.cuh"
+#include "kvq/attention/decode_attention_hqmq.h"
+#include "kvq/vq/quaternion_vq.h"
+
+namespace kvq {
+namespace attention {
+
+/// Warps per CTA (they share the CTA's codebooks): 12 for D <= 128 (<= 168 registers, no spills in
+/// the mma loop; hqmq-5 at D = 128 uses 210 KB of shared memory), 4 for D = 256 (whose rings
+/// are twice as large: hqmq-5 would not fit 8 warps).
+KVQ_HOST_DEVICE constexpr int hqmq_warps(int64_t D) { return D <= 128 ? 12 : 4; }
+constexpr int kHqmqStages = 2;       // cp.async ring depth per warp
+constexpr int kHqmqSmemLimit = 220 * 1024;  // dynamic, below the 227 KB opt-in maximum
+
+/// Max words per token row at head dim D (F <= 16 + 8 bits per chunk).
+template <int D>
+struct HqmqDims {
+  static constexpr int C = D / 4;
+  static constexpr int WMAX = (C * 24 + 31) / 32;
+  static constexpr int CODES_MAX = kTile * WMAX * 4;  // bytes of one role's tile codes
+};
+
+/// Byte layout of one ring stage (runtime W): K codes, V codes, K scales, V scales, 16 bytes
+/// of padding (a field's second word may be read one word past a role's codes).
+struct HqmqTileLayout {
+  int kc, vc, ks, vs, bytes;
+  KVQ_HOST_DEVICE static HqmqTileLayout make(int wk, int wv) {
+    HqmqTileLayout l;
+    l.kc = 0;
+    l.vc = kTile * wk * 4;
+    l.ks = l.vc + kTile * wv * 4;
+    l.vs = l.ks + kTile * 2;
+    l.bytes = ((l.vs + kTile * 2 + 16) + 15) / 16 * 16;
+    return l;
+  }
+};
+
+/// Shared-memory plan of one launch.
+struct HqmqSmem {
+  size_t cb_k = 0, cb_v = 0, q = 0, region = 0, total = 0;  // bytes
+  bool mma = false;
+};
+
+/// \brief Can the tensor-core path run (before the shared-memory check)?
+inline bool hqmq_mma_layout_ok(const HqmqAttnParams& p) {
+  if (!(p.D == 32 || p.D == 64 || p.D == 128 || p.D == 256)) return false;
+  if (p.Hq / p.H > 8) return false;
+  for (const HqmqKV* s : {&p.k, &p.v}) {
+    if (!aligned16(s->codes, s->codes_sb, s->codes_sh, 4) || !aligned16(s->scale, s->scale_sb, s->scale_sh, 2))
+      return false;
+  }
+  return p.T >= kTile;
+}
+
+inline HqmqSmem hqmq_smem_plan(const HqmqAttnParams& p) {
+  HqmqSmem m;
+  const int g = (int)(p.Hq / p.H);
+  m.q = (sizeof(float) * (size_t)g * p.D + 15) / 16 * 16;
+  const size_t slot = sizeof(float) * (size_t)g * (p.D + 2);
+  const size_t slot16 = (slot + 15) / 16 * 16;
+  m.region = slot16;
+  const int nw = hqmq_warps(p.D);
+  m.total = m.q + nw * m.region;
+  if (hqmq_mma_layout_ok(p)) {
+    const HqmqTileLayout tl = HqmqTileLayout::make(p.k.words, p.v.words);
+    const size_t ring = (size_t)kHqmqStages * tl.bytes;
+    const size_t region = (ring > slot16 ? ring : slot16) + sizeof(float) * kTile * 8;  // + [32][8] buffer
+    const size_t cbk = (size_t)vq::kHurwitzUnits * 8 * p.k.S, cbv = (size_t)vq::kHurwitzUnits * 8 * p.v.S;
+    const size_t total = cbk + cbv + m.q + nw * region;
+    if (total <= (size_t)kHqmqSmemLimit) {
+      m.mma = true, m.cb_k = cbk, m.cb_v = cbv, m.region = region, m.total = total;
+    }
+  }
+  return m;
+}
+
+__device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+/// rcode (< 1024) as an exact fp16 pair (magic-number conversion, as extract_pair).
+__device__ __forceinline__ uint32_t rcode_pair(uint32_t rc) {
+  return hsub2_u32((rc * 0x00010001u) | 0x64006400u, 0x64006400u);
+}
+
+/// Field of chunk `chunk` of a token row in shared memory (reads row[w] and row[w + 1]).
+/// FC > 0: the field width F is a compile-time constant (FC == F); fields of a width that
+/// divides 32 never straddle words and need one load.
+template <int FC>
+__device__ __forceinline__ uint32_t smem_field(const uint32_t* row, int chunk, int F, uint32_t fmask) {
+  if constexpr (FC > 0 && 32 % (FC > 0 ? FC : 1) == 0) {
+    const int bit = chunk * FC;
+    return (row[bit >> 5] >> (bit & 31)) & fmask;
+  } else {
+    const int bit = chunk * (FC > 0 ? FC : F);
+    const uint32_t lo = row[bit >> 5], hi = row[(bit >> 5) + 1];
+    return __funnelshift_r(lo, hi, bit & 31) & fmask;
+  }
+}
+
+/// Field formats the mma path is compiled for: 0 = any (runtime widths), 1 = hqmq-3.79 for
+/// keys and values (S = 96, b_r = 4: F = 16), 2 = hqmq-5 (S = 192, b_r = 6: F = 19).
+template <int FMT>
+struct HqmqFmt {
+  static constexpr int F = FMT == 1 ? 16 : FMT == 2 ? 19 : 0;
+  static constexpr int RB = FMT == 1 ? 4 : FMT == 2 ? 6 : 0;
+};
+inline int hqmq_fmt(const HqmqAttnParams& p) {
+  auto is = [&](int F, int RB) {
+    return p.k.field_bits == F && p.k.radius_bits == RB && p.v.field_bits == F && p.v.radius_bits == RB;
+  };
+  return is(16, 4) ? 1 : is(19, 6) ? 2 : 0;
+}
+
+/// o[k] for a runtime k in 0..3 without local memory.
+__device__ __forceinline__ float pick4(const float (&o)[4], int k) {
+  return k == 0 ? o[0] : k == 1 ? o[1] : k == 2 ? o[2] : o[3];
+}
+
+/// Loader of the generic path: this lane's D / 32 elements of token t, fp32, records added.
+template <int D>
+__device__ __forceinline__ void hqmq_load_token(const HqmqAttnParams& p, const HqmqKV& s, int64_t b, int64_t h,
+                                                int64_t t, int lane, float (&x)[D / 32]) {
+  constexpr int EPL = D / 32;
+  constexpr int STEP = EPL >= 4 ? 4 : EPL;
+  const uint32_t* row =
+      reinterpret_cast<const uint32_t*>(s.codes) + b * s.codes_sb + h * s.codes_sh + t * s.words;
+  const float maxq = (float)((1 << s.radius_bits) - 1);
+  const float step = vq::div_rn(half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.scale) +
+                                                         b * s.scale_sb + h * s.scale_sh + t)),
+                                maxq);
+  const float* sec = s.secondary + h * s.S * 4;
+#pragma unroll
+  for (int e = 0; e < EPL; e += STEP) {
+    const int ch = lane * EPL + e;
+    float o[4];
+    vq::decode_chunk(vq::read_field(row, ch / 4, s.field_bits), s.radius_bits, step, sec, s.S, o);
+#pragma unroll
+    for (int u = 0; u < STEP; ++u) x[e + u] = STEP == 4 ? o[u] : pick4(o, (ch & 3) + u);
+  }
+  int64_t ra, re;
+  const int64_t n = b * p.H + h;
+  hqmq_record_range(s, p.B * p.H, t / kHqmqTile, n, &ra, &re);
+  for (int64_t k = ra; k < re; ++k) {
+    const int4 rec = __ldg(reinterpret_cast<const int4*>(s.outliers) + k);
+    const int cc = rec.y & 0xff;
+    if (rec.x != t || (int64_t)((uint32_t)rec.y >> 8) != n) continue;
+    const float v[4] = {half_bits_to_float((uint16_t)((uint32_t)rec.z & 0xffffu)),
+                        half_bits_to_float((uint16_t)((uint32_t)rec.z >> 16)),
+                        half_bits_to_float((uint16_t)((uint32_t)rec.w & 0xffffu)),
+                        half_bits_to_float((uint16_t)((uint32_t)rec.w >> 16))};
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      const int ch = lane * EPL + e;
+      if (ch / 4 == cc) x[e] += pick4(v, ch & 3);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Tensor-core path of one warp over its tiles of [t_begin, t_end) (full tiles).
+// ---------------------------------------------------------------------------
+template <typename DType, int D, int FMT>
+__device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin, int64_t t_end,
+                              int warp, float* slot, char* ring, float* buf, const uint2* cbk, const uint2* cbv,
+                              const float* s_q) {
+  constexpr int NK = D / 16;  // k-steps of QK (4 chunks each)
+  constexpr int MV = D / 16;  // m-tiles of PV (4 chunks each)
+  constexpr int C = D / 4;
+  constexpr int NW = hqmq_warps(D);
+  const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
+  const int64_t BH = p.B * p.H, n = b * p.H + h;
+  const HqmqTileLayout TL = HqmqTileLayout::make(p.k.words, p.v.words);
+  const int WK = p.k.words, WV = p.v.words;
+  using FM = HqmqFmt<FMT>;  // compile-time widths where FMT != 0
+  const int FK = FM::F ? FM::F : p.k.field_bits, FV = FM::F ? FM::F : p.v.field_bits;
+  const int RBK = FM::RB ? FM::RB : p.k.radius_bits, RBV = FM::RB ? FM::RB : p.v.radius_bits;
+  const uint32_t fmk = (1u << FK) - 1u, fmv = (1u << FV) - 1u;
+  const uint32_t rmk = (1u << RBK) - 1u, rmv = (1u << RBV) - 1u;
+  const uint32_t dmaxk = (uint32_t)(vq::kHurwitzUnits * p.k.S - 1), dmaxv = (uint32_t)(vq::kHurwitzUnits * p.v.S - 1);
+  const float inv_k = 1.f / (float)rmk, inv_v = 1.f / (float)rmv;
+
+  // ---- q^T B-fragments of head i (chunk 4kk + c), normalised per head ----
+  float qm = 0.f;
+  if (i < g) {
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) qm = fmaxf(qm, fabsf(s_q[i * D + 4 * (4 * kk + c) + e]));
+  }
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 1));
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 2));
+  qm = qm > 0.f ? qm : 1.f;
+  const float rq = 1.f / qm;
+  uint32_t qb[NK][2];
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    const float* qc = s_q + i * D + 4 * (4 * kk + c);
+    qb[kk][0] = i < g ? pack_half2(qc[0] * rq, qc[1] * rq) : 0u;
+    qb[kk][1] = i < g ? pack_half2(qc[2] * rq, qc[3] * rq) : 0u;
+  }
+  const float qmA = __shfl_sync(0xffffffffu, qm, (2 * c) * 4);
+  const float qmB = __shfl_sync(0xffffffffu, qm, (2 * c + 1) * 4);
+  const float sl = p.scale * kLog2e;
+
+  float acc[MV][4];
+#pragma unroll
+  for (int mv = 0; mv < MV; ++mv)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[mv][e] = 0.f;
+  float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
+
+  const int32_t* kcodes = p.k.codes + b * p.k.codes_sb + h * p.k.codes_sh;
+  const int32_t* vcodes = p.v.codes + b * p.v.codes_sb + h * p.v.codes_sh;
+  const uint16_t* kscale = p.k.scale + b * p.k.scale_sb + h * p.k.scale_sh;
+  const uint16_t* vscale = p.v.scale + b * p.v.scale_sb + h * p.v.scale_sh;
+  const int64_t first = t_begin + warp * kTile;
+  const int ntiles =
+      first < t_end ? (int)((t_end - first + NW * kTile - 1) / (NW * kTile)) : 0;
+  auto issue = [&](int k) {
+    if (k < ntiles) {
+      const int64_t t0 = first + (int64_t)k * NW * kTile;
+      char* st = ring + (k % kHqmqStages) * TL.bytes;
+      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.kc, kcodes + t0 * WK, kTile * WK * 4, lane);
+      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.vc, vcodes + t0 * WV, kTile * WV * 4, lane);
+      warp_copy_async<kTile * 2>(st + TL.ks, kscale + t0, kTile * 2, lane);
+      warp_copy_async<kTile * 2>(st + TL.vs, vscale + t0, kTile * 2, lane);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < kHqmqStages - 1; ++k) issue(k);
+
+  for (int k = 0; k < ntiles; ++k) {
+    issue(k + kHqmqStages - 1);
+    cp_async_wait<kHqmqStages - 1>();
+    __syncwarp();
+    const int64_t t0 = first + (int64_t)k * NW * kTile;
+    const char* st = ring + (k % kHqmqStages) * TL.bytes;
+    const uint32_t* s_kc = reinterpret_cast<const uint32_t*>(st + TL.kc);
+    const uint32_t* s_vc = reinterpret_cast<const uint32_t*>(st + TL.vc);
+    const uint16_t* s_ks = reinterpret_cast<const uint16_t*>(st + TL.ks);
+    const uint16_t* s_vs = reinterpret_cast<const uint16_t*>(st + TL.vs);
+
+    // ---------------- S^T = K q^T: 2 m-tiles of 16 tokens ----------------
+    float sc[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[mt][e] = 0.f;
+    const uint32_t* krow[4];  // token rows i, i + 8, 16 + i, 24 + i
+#pragma unroll
+    for (int u = 0; u < 4; ++u) krow[u] = s_kc + (8 * u + i) * WK;
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        uint32_t a[4];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint32_t f = smem_field<FM::F>(krow[2 * mt + hh], 4 * kk + c, FK, fmk);
+          uint32_t dir = f >> RBK;
+          dir = dir < dmaxk ? dir : dmaxk;  // corrupt codes stay in the codebook
+          const uint2 cw = cbk[dir];
+          const uint32_t r2 = rcode_pair(f & rmk);
+          a[hh] = hmul2_u32(cw.x, r2);      // rows i / i + 8, columns 2c, 2c+1: elements 0, 1
+          a[2 + hh] = hmul2_u32(cw.y, r2);  // columns 2c+8, 2c+9: elements 2, 3
+        }
+        mma16816(sc[mt], a, qb[kk][0], qb[kk][1]);
+      }
+    }
+    // true score / sl = qm_j * step_t * sc (+ records); lane's tokens 16 mt + i + 8 (e >> 1)
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float stp = half_bits_to_float(s_ks[16 * mt + i + 8 * hh]) * inv_k;
+        sc[mt][2 * hh] *= stp * qmA;
+        sc[mt][2 * hh + 1] *= stp * qmB;
+      }
+    int64_t ra, re;
+    hqmq_record_range(p.k, BH, t0 / kHqmqTile, n, &ra, &re);
+    if (ra < re) {  // warp-uniform: Med3x key records of this tile
+      for (int x = lane; x < kTile * 8; x += 32) buf[x] = 0.f;
+      __syncwarp();
+      for (int64_t r = ra + lane; r < re; r += 32) {
+        const int4 rec = __ldg(reinterpret_cast<const int4*>(p.k.outliers) + r);
+        const int cc = rec.y & 0xff;
+        const int64_t tl = (int64_t)rec.x - t0;
+        if (tl < 0 || tl >= kTile || (int64_t)((uint32_t)rec.y >> 8) != n || cc >= C) continue;
+        const float v0 = half_bits_to_float((uint16_t)((uint32_t)rec.z & 0xffffu));
+        const float v1 = half_bits_to_float((uint16_t)((uint32_t)rec.z >> 16));
+        const float v2 = half_bits_to_float((uint16_t)((uint32_t)rec.w & 0xffffu));
+        const float v3 = half_bits_to_float((uint16_t)((uint32_t)rec.w >> 16));
+        for (int j = 0; j < g; ++j) {
+          const float* qc = s_q + j * D + 4 * cc;
+          atomicAdd(&buf[tl * 8 + j], qc[0] * v0 + qc[1] * v1 + qc[2] * v2 + qc[3] * v3);
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[mt][e] += buf[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)];
+      __syncwarp();  // buf is reused for the value records below
+    }
+    // ---------------- online softmax: heads 2c (e even) and 2c + 1 (e odd) ----------------
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[mt][e] *= sl;
+    if (p.mask != nullptr) {
+      const uint8_t* mrow = p.mask + b * p.mask_sb + t0;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (mrow[16 * mt + i + 8 * (e >> 1)] == 0) sc[mt][e] = -INFINITY;
+    }
+    float xA = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2]));
+    float xB = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]));
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+      xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, o));
+      xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, o));
+    }
+    const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
+    const float alA = nA == -INFINITY ? 1.f : exp2f(mA - nA), alB = nB == -INFINITY ? 1.f : exp2f(mB - nB);
+    mA = nA, mB = nB;
+    const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;  // exp2(-inf - u) = 0
+    float psA = 0.f, psB = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        sc[mt][e] = exp2f(sc[mt][e] - ((e & 1) ? uB : uA));
+        if (e & 1) psB += sc[mt][e]; else psA += sc[mt][e];
+      }
+    lA = lA * alA + psA;
+    lB = lB * alB + psB;
+    if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {  // a running max moved
+#pragma unroll
+      for (int mv = 0; mv < MV; ++mv) acc[mv][0] *= alA, acc[mv][1] *= alB, acc[mv][2] *= alA, acc[mv][3] *= alB;
+    }
+    uint32_t pt[2][2];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      pt[mt][0] = movmatrix_trans(pack_half2(sc[mt][0], sc[mt][1]));
+      pt[mt][1] = movmatrix_trans(pack_half2(sc[mt][2], sc[mt][3]));
+    }
+
+    // ---------------- O^T += V^T P^T over 2 k-steps of 16 tokens ----------------
+    // Lane (i, c) needs chunk 4 mv + i / 2 of tokens 2c, 2c+1 (A regs 0, 1) and 2c+8, 2c+9
+    // (regs 2, 3), elements (i & 1) and (i & 1) + 2.  Lanes i and i ^ 1 (lane ^ 4) need the
+    // same chunk: the even one decodes tokens 2c, 2c+1, the odd one 2c+8, 2c+9, and each
+    // hands the partner the element pair it does not use (one shuffle per A register pair).
+    const int odd = i & 1;
+    const uint32_t sel_own = odd ? 0x7632u : 0x5410u;   // my element of a pair: high / low halves
+    const uint32_t sel_give = odd ? 0x5410u : 0x7632u;  // the partner's
+#pragma unroll
+    for (int kst = 0; kst < 2; ++kst) {
+      const uint32_t* vrow[2];  // my tokens 16 kst + 2c + 8 odd + {0, 1}
+      float stp[2];             // their radius steps (folded into the A elements)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int tl = 16 * kst + 2 * c + 8 * odd + u;
+        vrow[u] = s_vc + tl * WV;
+        stp[u] = half_bits_to_float(s_vs[tl]) * inv_v;
+      }
+#pragma unroll
+      for (int mv = 0; mv < MV; ++mv) {
+        const int cv = 4 * mv + (i >> 1);
+        uint32_t x01[2], x23[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const uint32_t f = smem_field<FM::F>(vrow[u], cv, FV, fmv);
+          uint32_t dir = f >> RBV;
+          dir = dir < dmaxv ? dir : dmaxv;
+          const uint2 cw = cbv[dir];
+          const float rs = (float)(f & rmv) * stp[u];
+          const uint32_t r2 = pack_half2(rs, rs);
+          x01[u] = hmul2_u32(cw.x, r2);  // elements 0, 1 of token u
+          x23[u] = hmul2_u32(cw.y, r2);  // elements 2, 3
+        }
+        const uint32_t own_lo = __byte_perm(x01[0], x01[1], sel_own);  // element odd, my 2 tokens
+        const uint32_t own_hi = __byte_perm(x23[0], x23[1], sel_own);  // element odd + 2
+        const uint32_t got_lo = __shfl_xor_sync(0xffffffffu, __byte_perm(x01[0], x01[1], sel_give), 4);
+        const uint32_t got_hi = __shfl_xor_sync(0xffffffffu, __byte_perm(x23[0], x23[1], sel_give), 4);
+        uint32_t a[4];
+        a[0] = odd ? got_lo : own_lo;  // row i: element odd, tokens 2c, 2c+1
+        a[1] = odd ? got_hi : own_hi;  // row i + 8: element odd + 2, tokens 2c, 2c+1
+        a[2] = odd ? own_lo : got_lo;  // row i, tokens 2c+8, 2c+9
+        a[3] = odd ? own_hi : got_hi;  // row i + 8, tokens 2c+8, 2c+9
+        mma16816(acc[mv], a, pt[kst][0], pt[kst][1]);
+      }
+    }
+    hqmq_record_range(p.v, BH, t0 / kHqmqTile, n, &ra, &re);
+    if (ra < re) {  // warp-uniform: Med3x value records of this tile
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) buf[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)] = sc[mt][e];
+      __syncwarp();
+      for (int64_t r = ra; r < re; ++r) {
+        const int4 rec = __ldg(reinterpret_cast<const int4*>(p.v.outliers) + r);  // broadcast
+        const int cc = rec.y & 0xff;
+        const int64_t tl = (int64_t)rec.x - t0;
+        if (tl < 0 || tl >= kTile || (int64_t)((uint32_t)rec.y >> 8) != n || cc >= C) continue;
+        const uint32_t lo = (i & 1) ? ((uint32_t)rec.z >> 16) : ((uint32_t)rec.z & 0xffffu);
+        const uint32_t hi = (i & 1) ? ((uint32_t)rec.w >> 16) : ((uint32_t)rec.w & 0xffffu);
+        const float vlo = half_bits_to_float((uint16_t)lo), vhi = half_bits_to_float((uint16_t)hi);
+        const bool mine = (i >> 1) == (cc & 3);
+        const float pA = mine ? buf[tl * 8 + 2 * c] : 0.f, pB = mine ? buf[tl * 8 + 2 * c + 1] : 0.f;
+        const int cm = cc >> 2;
+        // FMA with a zero weight into every m-tile: a predicated update acc[mv] if mv == cm is
+        // turned into a dynamically indexed acc[cm] by the compiler, i.e. acc in local memory
+#pragma unroll
+        for (int mv = 0; mv < MV; ++mv) {
+          const float wA = mv == cm ? pA : 0.f, wB = mv == cm ? pB : 0.f;
+          acc[mv][0] = fmaf(wA, vlo, acc[mv][0]);
+          acc[mv][1] = fmaf(wB, vlo, acc[mv][1]);
+          acc[mv][2] = fmaf(wA, vhi, acc[mv][2]);
+          acc[mv][3] = fmaf(wB, vhi, acc[mv][3]);
+        }
+      }
+      __syncwarp();
+    }
+    __syncwarp();  // every lane has read this stage: the next issue() may overwrite it
+  }
+  cp_async_wait<0>();
+  __syncwarp();
+  // ---- reduce l over the 8 lanes sharing c, write this warp's partial ----
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+    lA += __shfl_xor_sync(0xffffffffu, lA, o);
+    lB += __shfl_xor_sync(0xffffffffu, lB, o);
+  }
+#pragma unroll
+  for (int mv = 0; mv < MV; ++mv) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int head = 2 * c + (e & 1);
+      if (head >= g) continue;
+      const int ch = 4 * (4 * mv + (i >> 1)) + (i & 1) + 2 * (e >> 1);
+      slot[head * (D + 2) + 2 + ch] = acc[mv][e];
+    }
+  }
+  if (i == 0) {
+    if (2 * c < g) slot[(2 * c) * (D + 2)] = mA, slot[(2 * c) * (D + 2) + 1] = lA;
+    if (2 * c + 1 < g) slot[(2 * c + 1) * (D + 2)] = mB, slot[(2 * c + 1) * (D + 2) + 1] = lB;
+  }
+  __syncwarp();
+}
+
+template <typename DType, int D, int FMT>
+__global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
+    HqmqDecodeAttentionKernel(HqmqAttnParams p, SplitPlan plan, HqmqSmem sm) {
+  extern __shared__ __align__(16) char smem[];
+  const int split = blockIdx.x;
+  const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int g = (int)(p.Hq / p.H);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint2* cbk = reinterpret_cast<uint2*>(smem);
+  uint2* cbv = reinterpret_cast<uint2*>(smem + sm.cb_k);
+  float* s_q = reinterpret_cast<float*>(smem + sm.cb_k + sm.cb_v);
+  char* regions = smem + sm.cb_k + sm.cb_v + sm.q;
+  char* region = regions + warp * sm.region;
+  float* slot = reinterpret_cast<float*>(region);
+  {
+    const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
+    for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(q[x]);
+  }
+  const int64_t t_begin = split * plan.chunk_main;
+  const int64_t t_end = t_begin + plan.chunk_main < plan.t_main ? t_begin + plan.chunk_main : plan.t_main;
+  const bool do_mma = sm.mma && t_begin < t_end;
+  if (do_mma) {  // build this head's codebooks: entry s * 24 + u = P[u] . secondary[h, s], fp16x4
+    for (int role = 0; role < 2; ++role) {
+      const HqmqKV& s = role ? p.v : p.k;
+      uint2* cb = role ? cbv : cbk;
+      const float* sec = s.secondary + h * s.S * 4;
+      for (int64_t e = threadIdx.x; e < (int64_t)vq::kHurwitzUnits * s.S; e += blockDim.x) {
+        const int64_t si = e / vq::kHurwitzUnits;
+        const int u = (int)(e % vq::kHurwitzUnits);
+        float p0, p1, p2, p3, q0, q1, q2, q3;
+        vq::hurwitz_unit(u, p0, p1, p2, p3);
+        vq::hamilton(p0, p1, p2, p3, sec[4 * si], sec[4 * si + 1], sec[4 * si + 2], sec[4 * si + 3], q0, q1, q2,
+                     q3);
+        cb[e] = make_uint2(pack_half2(q0, q1), pack_half2(q2, q3));
+      }
+    }
+  }
+  __syncthreads();
+  if (do_mma) {
+    float* buf = reinterpret_cast<float*>(region + sm.region - sizeof(float) * kTile * 8);
+    hqmq_warp_mma<DType, D, FMT>(p, b, h, g, t_begin, t_end, warp, slot, region, buf, cbk, cbv, s_q);
+  } else {
+    for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
+    __syncwarp();
+  }
+  // ---- this warp's share of the tail [t_main, T) ----
+  const int64_t tail = p.T - plan.t_main;
+  if (tail > 0) {
+    const int64_t nchunks = (tail + plan.tail_chunk - 1) / plan.tail_chunk;
+    const int64_t per_round = (int64_t)plan.ns * hqmq_warps(D);
+    for (int64_t k = split + (int64_t)plan.ns * warp; k < nchunks; k += per_round) {
+      const int64_t a = plan.t_main + k * plan.tail_chunk;
+      const int64_t e = a + plan.tail_chunk < p.T ? a + plan.tail_chunk : p.T;
+      auto load = [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
+        hqmq_load_token<D>(p, p.k, b, h, t, lane, kx);
+        hqmq_load_token<D>(p, p.v, b, h, t, lane, vx);
+      };
+      // heads in passes of <= 8 (independent softmax states; register arrays of 16 heads
+      // spill), each pass decoding the chunk's tokens again
+      for (int j0 = 0; j0 < g; j0 += 8)
+        warp_generic_loop<D, 8>(p.mask, p.mask_sb, p.scale, b, g - j0 < 8 ? g - j0 : 8, a, e,
+                                slot + j0 * (D + 2), s_q + j0 * D, load);
+    }
+  }
+  __syncthreads();
+  write_split_partial<D, hqmq_warps(D)>(p.ws, regions, sm.region, b * p.Hq + h * g, g, plan.splits(), split);
+}
+
+}  // namespace attention
+}  // namespace kvq

@@ -1,0 +1,158 @@
+// Decode attention over an HQMQ-compressed KV cache layer (keys and values both HQMQ, packed
+// codes + fp16 radius scales + Med3x outlier records): params, the outlier index and the CPU
+// twin.  Torch-free.  Format of one role: include/kvq/vq/quaternion_vq.h.
+//
+//   out[b, hq] = softmax_t(scale * q[b, hq] . K[b, hq / g, t] + mask) . V[b, hq / g, t]
+// with K/V token t = the HQMQ decode of (codes, scale) + the token's Med3x records
+// (outlier chunks decode to 0 in the dense codes, so a record's values are added).
+//
+// Outlier index (per role).  The fused kernel must find the records of the tokens it reads
+// without scanning the whole list, so the records are kept ordered by the key
+//   key(record) = (t / kHqmqTile) * (B * H) + n         (n = b * H + h, 32-token tiles)
+// and `outlier_ptr` is the CSR over that key: the records of (tile j, row n) are
+// outliers[outlier_ptr[j * B * H + n] .. outlier_ptr[j * B * H + n + 1]), int64,
+// ceil(T / 32) * B * H + 1 entries.  Order inside one (tile, row) group is free.
+// HQMQStream (python/kvquant_ext/hqmq.py) maintains this order and the pointer array at
+// append time.  Pointers are clamped to [0, M]; a record whose (t, n, c) does not belong to
+// its group is ignored (so corrupt input cannot read out of bounds).
+// Without records (hqmq-3.79) `outlier_ptr` may be empty (nullptr here).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kvq/common/half.h"
+#include "kvq/common/macros.h"
+#include "kvq/vq/quaternion_vq.h"
+
+namespace kvq {
+namespace attention {
+
+constexpr int kHqmqTile = 32;  // tokens per outlier-index tile (= the mma path's tile)
+
+/// \brief One role (keys or values) of an HQMQ cache layer.
+struct HqmqKV {
+  const int32_t* codes = nullptr;    // [B, H, T, W], inner [T, W] contiguous
+  const uint16_t* scale = nullptr;   // fp16 bits [B, H, T], inner T contiguous
+  const float* secondary = nullptr;  // [H, S, 4] contiguous
+  const int32_t* outliers = nullptr;  // [M, 4] records ordered by key (see above)
+  const int64_t* outlier_ptr = nullptr;  // [ceil(T / 32) * B * H + 1] or nullptr (M == 0)
+  int64_t num_outliers = 0;              // M
+  int64_t codes_sb = 0, codes_sh = 0;    // batch / head strides of codes (elements)
+  int64_t scale_sb = 0, scale_sh = 0;    // batch / head strides of scale (elements)
+  int64_t S = 1;
+  int radius_bits = 4, field_bits = 0, words = 0;
+};
+
+/// \brief Decode attention call.  Workspace holds split partials (CUDA only), in the layout
+/// of DecodeAttnParams: [B * Hq, splits, D + 2] of (m, l, acc) in the log2 domain.
+struct HqmqAttnParams {
+  const void* q = nullptr;        // [B, Hq, D] contiguous
+  void* out = nullptr;            // [B, Hq, D]
+  const uint8_t* mask = nullptr;  // optional [B, T] (nonzero = attend), row stride mask_sb
+  int64_t mask_sb = 0;
+  HqmqKV k, v;
+  int64_t B = 0, H = 0, Hq = 0, D = 0, T = 0;
+  float scale = 1.f;
+  float* ws = nullptr;
+  int splits = 0;
+};
+
+/// \brief Record range [*begin, *end) of (tile j, row n), clamped to [0, M].
+KVQ_HOST_DEVICE void hqmq_record_range(const HqmqKV& s, int64_t BH, int64_t j, int64_t n,
+                                       int64_t* begin, int64_t* end) {
+  if (s.outlier_ptr == nullptr || s.num_outliers == 0) {
+    *begin = *end = 0;
+    return;
+  }
+  int64_t a = s.outlier_ptr[j * BH + n], e = s.outlier_ptr[j * BH + n + 1];
+  a = a < 0 ? 0 : (a > s.num_outliers ? s.num_outliers : a);
+  e = e < a ? a : (e > s.num_outliers ? s.num_outliers : e);
+  *begin = a, *end = e;
+}
+
+/// \brief Decode tokens [t0, t1) of row (b, h) of one role into x [t1 - t0][D] (fp32), records
+/// of the covered tiles included.  t0 is a multiple of kHqmqTile.
+inline void hqmq_decode_tokens_cpu(const HqmqAttnParams& p, const HqmqKV& s, int64_t b, int64_t h,
+                                   int64_t t0, int64_t t1, float* x) {
+  const int64_t D = p.D, C = D / 4, n = b * p.H + h;
+  const float maxq = (float)((1 << s.radius_bits) - 1);
+  const float* sec = s.secondary + h * s.S * 4;
+  const uint32_t* codes = reinterpret_cast<const uint32_t*>(s.codes) + b * s.codes_sb + h * s.codes_sh;
+  const uint16_t* scale = s.scale + b * s.scale_sb + h * s.scale_sh;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float step = vq::div_rn(half_bits_to_float(scale[t]), maxq);
+    const uint32_t* row = codes + t * s.words;
+    for (int64_t c = 0; c < C; ++c) {
+      float o[4];
+      vq::decode_chunk(vq::read_field(row, (int)c, s.field_bits), s.radius_bits, step, sec, s.S, o);
+      for (int i = 0; i < 4; ++i) x[(t - t0) * D + 4 * c + i] = o[i];
+    }
+  }
+  for (int64_t j = t0 / kHqmqTile; j * kHqmqTile < t1; ++j) {
+    int64_t a, e;
+    hqmq_record_range(s, p.B * p.H, j, n, &a, &e);
+    for (int64_t k = a; k < e; ++k) {
+      const int32_t* rec = s.outliers + 4 * k;
+      const int64_t t = rec[0], rn = (int64_t)((uint32_t)rec[1] >> 8), c = rec[1] & 0xff;
+      if (t < t0 || t >= t1 || t / kHqmqTile != j || rn != n || c >= C) continue;
+      const uint32_t lo = (uint32_t)rec[2], hi = (uint32_t)rec[3];
+      float* o = x + (t - t0) * D + 4 * c;
+      o[0] += half_bits_to_float((uint16_t)(lo & 0xffffu));
+      o[1] += half_bits_to_float((uint16_t)(lo >> 16));
+      o[2] += half_bits_to_float((uint16_t)(hi & 0xffffu));
+      o[3] += half_bits_to_float((uint16_t)(hi >> 16));
+    }
+  }
+}
+
+/// \brief CPU twin: attention of the g query heads of (b, h) in fp32, one 32-token tile of
+/// keys/values decoded at a time.  `row` and `buf` are caller-provided scratch.
+template <typename DType>
+void hqmq_decode_attention_cpu(const HqmqAttnParams& p, int64_t b, int64_t h, std::vector<float>& row,
+                               std::vector<float>& buf) {
+  const int64_t D = p.D, g = p.Hq / p.H, T = p.T;
+  const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
+  DType* out = static_cast<DType*>(p.out) + (b * p.Hq + h * g) * D;
+  row.resize(g * T);
+  buf.resize(kHqmqTile * D + 2 * g * D);
+  float* xt = buf.data();
+  float* qf = xt + kHqmqTile * D;
+  float* acc = qf + g * D;
+  for (int64_t i = 0; i < g * D; ++i) qf[i] = to_float(q[i]), acc[i] = 0.f;
+  auto masked = [&](int64_t t) { return p.mask && !p.mask[b * p.mask_sb + t]; };
+  std::vector<float> m(g, -INFINITY), l(g, 0.f);
+  for (int64_t t0 = 0; t0 < T; t0 += kHqmqTile) {
+    const int64_t t1 = t0 + kHqmqTile < T ? t0 + kHqmqTile : T;
+    hqmq_decode_tokens_cpu(p, p.k, b, h, t0, t1, xt);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t j = 0; j < g; ++j) {
+        if (masked(t)) {
+          row[j * T + t] = -INFINITY;
+          continue;
+        }
+        float s = 0.f;
+        for (int64_t c = 0; c < D; ++c) s += qf[j * D + c] * xt[(t - t0) * D + c];
+        row[j * T + t] = s * p.scale;
+        m[j] = std::fmax(m[j], row[j * T + t]);
+      }
+  }
+  for (int64_t t0 = 0; t0 < T; t0 += kHqmqTile) {
+    const int64_t t1 = t0 + kHqmqTile < T ? t0 + kHqmqTile : T;
+    hqmq_decode_tokens_cpu(p, p.v, b, h, t0, t1, xt);
+    for (int64_t t = t0; t < t1; ++t) {
+      if (masked(t)) continue;
+      for (int64_t j = 0; j < g; ++j) {
+        const float e = std::exp(row[j * T + t] - m[j]);
+        l[j] += e;
+        for (int64_t c = 0; c < D; ++c) acc[j * D + c] += e * xt[(t - t0) * D + c];
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j)
+    for (int64_t c = 0; c < D; ++c)
+      out[j * D + c] = from_float<DType>(l[j] > 0.f ? acc[j * D + c] / l[j] : 0.f);
+}
+
+}  // namespace attention
+}  // namespace kvq
