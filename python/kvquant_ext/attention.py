@@ -103,6 +103,13 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
         # NOTE: GEAR layers the fused op does not cover (KCVT backbone; on CUDA also blocks
         # that are not whole 32-token tiles) attend over the layer dequantized by their own
         # ops (correct, but reads a full-precision copy).
+        name = type(cache.config).__name__
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(f"kvq.decode_attention: no fused kernel for {name} yet; dequantizing "
+                          "the layer each call", RuntimeWarning, stacklevel=2)
+        K, V = cache.dequantize(layer_idx)
+        out = _sdpa(qc, K, V, scale, attn_mask, Hq != H)
     out = out.to(q.dtype)
     return out if squeeze else out.unsqueeze(2)
 
