@@ -110,6 +110,7 @@ DecodeAttentionCall prepare_decode_attention(const at::Tensor& q_in, const at::T
   p.q = c.q.data_ptr();
   p.out = c.out.data_ptr();
   p.B = B, p.H = H, p.Hq = Hq, p.D = D, p.T = T;
+  p.dtype_bytes = (int)c.q.element_size();
   p.scale = (float)scale;
   return c;
 }
@@ -197,9 +198,9 @@ static attention::GearKV parse_gear_role(const char* role, const std::vector<at:
       KVQ_CHECK_ARG(ov.size(2) == nblk && M % (2 * D) == 0, kGearOp, vn.c_str(), "must be [B, H, blocks=", nblk,
                     ", D*2k], got ", ov.sizes());
       CHECK_DIM(kGearOp, off, fn.c_str(), 4);
-      KVQ_CHECK_ARG(off.size(0) == B && off.size(1) == H && off.size(2) == nblk && off.size(3) == ntile + 1 &&
+      KVQ_CHECK_ARG(off.size(0) == B && off.size(1) == H && off.size(2) == nblk && off.size(3) >= ntile + 1 &&
                         off.stride(3) == 1,
-                    kGearOp, fn.c_str(), "must be [B, H, blocks=", nblk, ", tiles+1=", ntile + 1, "], got ",
+                    kGearOp, fn.c_str(), "must be [B, H, blocks=", nblk, ", >= tiles+1=", ntile + 1, "], got ",
                     off.sizes());
       if (check_indices) {
         const auto o = off.to(at::kLong);
@@ -215,6 +216,7 @@ static attention::GearKV parse_gear_role(const char* role, const std::vector<at:
       s.o_sblk = ov.stride(2);
       s.off = off.data_ptr<int32_t>();
       s.f_sb = off.stride(0), s.f_sh = off.stride(1), s.f_sblk = off.stride(2);
+      s.off_len = off.size(3);
     } else {  // [B, H, tseg, 2k], index = channel
       const int64_t twok = ov.size(3);
       KVQ_CHECK_ARG(twok % 2 == 0 && ov.size(2) == tseg && ov.stride(2) == twok, kGearOp, vn.c_str(),

@@ -90,7 +90,8 @@ class GEARCompressed(Compressed):
 def _tile_sort(ov: torch.Tensor, oi: torch.Tensor, T: int):
     """Key outliers of one block, per channel (``[B, H, D, 2k]``, index = token) -> sorted by
     token: values ``[B, H, 1, M]``, packed ``(token mod 32) << 8 | channel`` int16
-    ``[B, H, 1, M]`` and per 32-token tile offsets ``[B, H, 1, ceil(T/32) + 1]`` int32."""
+    ``[B, H, 1, M]`` and per 32-token tile offsets ``[B, H, 1, P]`` int32 (first entry of
+    each tile, then M; P = ceil((tiles + 1) / 4)·4 + 4)."""
     B, H, D, n = ov.shape
     t = oi.long()
     c = torch.arange(D, device=ov.device).view(1, 1, D, 1).expand_as(t)
@@ -100,7 +101,10 @@ def _tile_sort(ov: torch.Tensor, oi: torch.Tensor, T: int):
     vals = ov.reshape(B, H, -1).gather(2, order)
     packed = ((ts % 32) * 256 + cs).to(torch.int16)
     nt = (T + 31) // 32
-    counts = torch.zeros(B, H, nt + 1, dtype=torch.int64, device=ov.device)
+    # rows padded with M to a multiple of 4 plus 4 (the CUDA kernel reads an aligned
+    # window of 8 offsets around each tile)
+    P = (nt + 1 + 3) // 4 * 4 + 4
+    counts = torch.zeros(B, H, P, dtype=torch.int64, device=ov.device)
     counts.scatter_add_(2, ts // 32 + 1, torch.ones_like(ts))
     off = counts.cumsum(2).to(torch.int32)
     return vals.unsqueeze(2), packed.unsqueeze(2), off.unsqueeze(2)

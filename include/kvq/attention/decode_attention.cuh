@@ -112,8 +112,10 @@ __device__ __forceinline__ void warp_copy_async(void* dst, const void* src, int 
 }
 
 /// Byte layout of one 32-token tile in shared memory (KPC: keys grouped per channel; GEAR:
-/// plus the tile's rows of the key and value low-rank factors A, up to 8 fp16 columns).
-template <int D, int BITS, bool KPC, bool GEAR = false>
+/// plus the tile's rows of the key and value low-rank factors A (up to 8 fp16 columns), a
+/// 32-byte window of the key outlier tile offsets, and the tile's value outliers (up to 8
+/// per token: values of VB bytes, uint8 channels)).
+template <int D, int BITS, bool KPC, bool GEAR = false, int VB = 2>
 struct TileLayout {
   static constexpr int CODES = kTile * D * BITS / 8;             // K or V codes of the tile
   static constexpr int KS = KPC ? 2 * D : kTile * 4 * 2;         // K scale (or zero): 1 row / <= 4 groups x 32 tokens
@@ -121,9 +123,14 @@ struct TileLayout {
   static constexpr int KC_OFF = 0, VC_OFF = CODES, KS_OFF = 2 * CODES, KZ_OFF = KS_OFF + KS,
                        VS_OFF = KZ_OFF + KS, VZ_OFF = VS_OFF + VS;
   static constexpr int A_BYTES = GEAR ? kTile * 8 * 2 : 0;
-  static constexpr int KA_OFF = VZ_OFF + VS, VA_OFF = KA_OFF + A_BYTES;
-  static constexpr int BYTES = VA_OFF + A_BYTES;
-  static constexpr int STAGES = KA_OFF <= 4096 ? 3 : 2;  // by the backbone bytes
+  static constexpr int KO_BYTES = GEAR ? 32 : 0;
+  static constexpr int VO_MAX = 8;  // value outliers per token staged in shared memory
+  static constexpr int VOV_BYTES = GEAR ? kTile * VO_MAX * VB : 0, VOI_BYTES = GEAR ? kTile * VO_MAX : 0;
+  static constexpr int KA_OFF = VZ_OFF + VS, VA_OFF = KA_OFF + A_BYTES, KO_OFF = VA_OFF + A_BYTES,
+                       VOV_OFF = KO_OFF + KO_BYTES, VOI_OFF = VOV_OFF + VOV_BYTES;
+  static constexpr int BYTES = VOI_OFF + VOI_BYTES;
+  // GEAR: 2 stages keep 3 CTAs (12 warps) per SM within shared memory
+  static constexpr int STAGES = GEAR ? 2 : KA_OFF <= 4096 ? 3 : 2;
   static constexpr int RING = STAGES * BYTES;
 };
 
@@ -174,15 +181,14 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 //   per-tile offsets, so a tile's entries are one contiguous range (lanes take one entry
 //   each); value entries are the 2k entries of each token (lane = token).
 // ---------------------------------------------------------------------------
-/// Per-warp scratch of the GEAR extras (bytes, 16-byte multiples).
-template <int D>
+/// Per-warp scratch of the GEAR extras (byte offsets for g query heads; 16-byte multiples).
 struct GearScratch {
-  static constexpr int CORR = 0;                 // float [32 tokens][8 heads]: key outlier corrections
-  static constexpr int PF = CORR + kTile * 8 * 4;  // float [32][8]: this tile's p (fp32)
-  static constexpr int OC = PF + kTile * 8 * 4;    // float [8][D]: value outlier corrections
-  static constexpr int QB = OC + 8 * D * 4;        // float [8][8]: q . B_k of the current block
+  static constexpr int CORR = 0;                   // float [32 tokens][8 heads]: key outlier corrections,
+                                                   // then this tile's p (fp32) for the value outliers
+  static constexpr int QB = CORR + kTile * 8 * 4;  // float [8][8]: q . B_k of the current block
   static constexpr int AL = QB + 64 * 4;           // float [8]: rescale factors per head
-  static constexpr int BYTES = (AL + 8 * 4 + 15) / 16 * 16;
+  static constexpr int OC = AL + 8 * 4;            // float [g][D]: value outlier corrections
+  KVQ_HOST_DEVICE static int bytes(int g, int D) { return (OC + g * D * 4 + 15) / 16 * 16; }
 };
 
 /// Segment / block of a 32-token tile starting at t0 (32-bit arithmetic).
@@ -247,7 +253,7 @@ template <typename DType, int D, int BITS, bool KPC, bool GEAR>
 __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
                          int64_t t_end, int warp, float* slot, char* ring, char* gscr, const float* s_q) {
   using CM = ChannelMap<D, BITS>;
-  using TL = TileLayout<D, BITS, KPC, GEAR>;
+  using TL = TileLayout<D, BITS, KPC, GEAR, sizeof(DType)>;
   using PK = Pack<BITS>;
   constexpr int NK = D / 16;  // k-steps of QK
   constexpr int MV = D / 16;  // m-tiles (16 channels) of PV
@@ -306,9 +312,9 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   const int kgroup = (int)K.group;
 
   // ---- GEAR state (see GearScratch) ----
-  using GS = GearScratch<D>;
+  using GS = GearScratch;
   float* s_corr = reinterpret_cast<float*>(gscr + GS::CORR);
-  float* s_pf = reinterpret_cast<float*>(gscr + GS::PF);
+  float* s_pf = s_corr;  // reused once the key corrections are in the scores
   float* s_oc = reinterpret_cast<float*>(gscr + GS::OC);
   float* s_qb = reinterpret_cast<float*>(gscr + GS::QB);
   float* s_al = reinterpret_cast<float*>(gscr + GS::AL);
@@ -316,7 +322,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   uint32_t qlr = 0;         // B fragment of the key low-rank mma: qB[head i][ranks 2c, 2c + 1] / max|q_i|
   int cur_bid = -1;
   if constexpr (GEAR) {
-    for (int x = lane; x < 8 * D; x += 32) s_oc[x] = 0.f;
+    for (int x = lane; x < g * D; x += 32) s_oc[x] = 0.f;
     __syncwarp();
   }
 
@@ -345,6 +351,14 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         const GearSegView vg = gear_seg<DType>(p.gv, b, h, gt.seg, gt.blk);
         if (kg.r > 0) warp_copy_async<TL::A_BYTES>(st + TL::KA_OFF, kg.A + (int64_t)gt.ts0 * kg.r, kTile * kg.r * 2, lane);
         if (vg.r > 0) warp_copy_async<TL::A_BYTES>(st + TL::VA_OFF, vg.A + (int64_t)gt.ts0 * vg.r, kTile * vg.r * 2, lane);
+        if (kg.k > 0)  // the 16-byte aligned window of 8 tile offsets holding tiles j, j + 1
+          warp_copy_async<32>(st + TL::KO_OFF, kg.off + ((gt.tb0 / kTile) & ~3), 32, lane);
+        if (vg.k > 0 && vg.k * 2 <= TL::VO_MAX) {
+          const int n = kTile * 2 * vg.k;
+          warp_copy_async<TL::VOV_BYTES>(st + TL::VOV_OFF, vg.ov + (int64_t)gt.ts0 * 2 * vg.k * (int)sizeof(DType),
+                                         n * (int)sizeof(DType), lane);
+          warp_copy_async<TL::VOI_BYTES>(st + TL::VOI_OFF, vg.oi + (int64_t)gt.ts0 * 2 * vg.k, n, lane);
+        }
       }
     }
     cp_async_commit();  // (possibly empty) group: keeps the wait count uniform
@@ -419,10 +433,29 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     GearSegView kg{}, vg{};
     const uint16_t* s_ka = reinterpret_cast<const uint16_t*>(st + TL::KA_OFF);
     const uint16_t* s_va = reinterpret_cast<const uint16_t*>(st + TL::VA_OFF);
+    constexpr int KE = 4;  // key outlier entries per lane loaded ahead of the QK mma
+    uint32_t e_pk[KE];
+    float e_val[KE];
+    int e_lo = 0, e_hi = 0;
     if constexpr (GEAR) {
       gt = gear_tile(p, t0);
       kg = gear_seg<DType>(p.gk, b, h, gt.seg, gt.blk);
       vg = gear_seg<DType>(p.gv, b, h, gt.seg, gt.blk);
+      if (kg.k > 0) {  // this tile's key outlier entries [e_lo, e_hi): start their loads now
+        const int32_t* s_ko = reinterpret_cast<const int32_t*>(st + TL::KO_OFF);
+        const int j = (gt.tb0 / kTile) & 3;
+        e_lo = s_ko[j], e_hi = s_ko[j + 1];
+        const DType* ov = reinterpret_cast<const DType*>(kg.ov);
+        const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
+#pragma unroll
+        for (int m = 0; m < KE; ++m) {
+          const int e = e_lo + lane + 32 * m;
+          e_pk[m] = e < e_hi ? (uint32_t)__ldg(oi + e) : 0u;
+          e_val[m] = e < e_hi ? to_float(ov[e]) : 0.f;
+        }
+      }
+    }
+    if constexpr (GEAR) {
       if (gt.bid != cur_bid) {
         cur_bid = gt.bid;
         // q . B_k of this block (lanes over channels, butterfly sums), scaled like q
@@ -468,18 +501,19 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         __syncwarp();
         const DType* ov = reinterpret_cast<const DType*>(kg.ov);
         const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
-        const int tile = gt.tb0 / kTile;
-        const int e1 = __ldg(kg.off + tile + 1);
-        for (int e = __ldg(kg.off + tile) + lane; e < e1; e += 32) {
-          const uint32_t pk = __ldg(oi + e);
+        auto key_entry = [&](uint32_t pk, float val) {
           const int tl = (pk >> 8) & (kTile - 1), ch = pk & (D - 1);
           const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
           const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
           float khat = code * half_bits_to_float(s_ks[ch]) + half_bits_to_float(s_kz[ch]);
           if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
-          const float dlt = to_float(ov[e]) - khat;
+          const float dlt = val - khat;
           for (int hh = 0; hh < g; ++hh) atomicAdd(&s_corr[tl * 8 + hh], s_q[hh * D + ch] * dlt);
-        }
+        };
+#pragma unroll
+        for (int m = 0; m < KE; ++m)
+          if (e_lo + lane + 32 * m < e_hi) key_entry(e_pk[m], e_val[m]);
+        for (int e = e_lo + lane + 32 * KE; e < e_hi; e += 32) key_entry(__ldg(oi + e), to_float(ov[e]));
         __syncwarp();
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
@@ -528,7 +562,8 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       }
     }
     if constexpr (GEAR) {
-      if (vg.k > 0) {  // this tile's p in fp32 for the value outliers
+      if (vg.k > 0) {  // this tile's p in fp32 for the value outliers (reuses s_corr)
+        __syncwarp();
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -594,10 +629,13 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       if (vg.k > 0) {  // value outliers of token `lane`: out_c += p_t (v - Vhat[t, c])
         __syncwarp();
         const int tl = lane, nk = 2 * vg.k;
-        const DType* ov = reinterpret_cast<const DType*>(vg.ov) + (int64_t)(gt.ts0 + tl) * nk;
-        const int toff = (gt.ts0 + tl) * nk;
+        const bool staged = nk <= TL::VO_MAX;  // in the ring (else read from global memory)
+        const DType* ov = staged ? reinterpret_cast<const DType*>(st + TL::VOV_OFF) + tl * nk
+                                 : reinterpret_cast<const DType*>(vg.ov) + (int64_t)(gt.ts0 + tl) * nk;
+        const char* oi = staged ? st + TL::VOI_OFF + tl * nk : vg.oi;
+        const int toff = staged ? 0 : (gt.ts0 + tl) * nk;
         for (int j = 0; j < nk; ++j) {
-          const int ch = gear_idx(vg.oi, vg.ibytes, toff + j);
+          const int ch = gear_idx(oi, staged ? 1 : vg.ibytes, toff + j);
           const uint32_t w = (uint32_t)s_vc[tl * WROW + ch / PK::CPW];
           const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
           const int gi = tl * ngv + ch / (int)V.group;
@@ -794,20 +832,20 @@ struct SplitPlan {
 /// Shared memory: q as floats [g][D] (generic path, GEAR), then per warp max(ring, slot)
 /// bytes (the mma ring; the warp's (m, l, acc) slot [g][D + 2] floats reuses its start),
 /// followed by the GEAR scratch for GEAR layers.
-template <int D, int BITS, bool KPC, bool MMA, bool GEAR = false>
+template <int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int VB = 2>
 KVQ_HOST_DEVICE size_t warp_region_bytes(int g) {
-  using TL = TileLayout<D, BITS, KPC, GEAR>;
+  using TL = TileLayout<D, BITS, KPC, GEAR, VB>;
   const size_t slot = sizeof(float) * (size_t)g * (D + 2);
   size_t r = slot;
   if constexpr (MMA) r = TL::RING > slot ? TL::RING : slot;
   r = (r + 15) / 16 * 16;
-  if constexpr (GEAR) r += GearScratch<D>::BYTES;
+  if constexpr (GEAR) r += GearScratch::bytes(g, D);
   return r;
 }
 KVQ_HOST_DEVICE size_t q_region_bytes(int g, int D) { return (sizeof(float) * (size_t)g * D + 15) / 16 * 16; }
-template <int D, int BITS, bool KPC, bool MMA, bool GEAR = false>
+template <int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int VB = 2>
 inline size_t decode_attention_smem_bytes(int g) {
-  return q_region_bytes(g, D) + kWarps * warp_region_bytes<D, BITS, KPC, MMA, GEAR>(g);
+  return q_region_bytes(g, D) + kWarps * warp_region_bytes<D, BITS, KPC, MMA, GEAR, VB>(g);
 }
 
 // Resident CTAs per SM the D <= 128 kernels are compiled for: 3 caps registers at 168 (the
@@ -825,7 +863,7 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
   const size_t qbytes = q_region_bytes(g, D);
-  const size_t wbytes = warp_region_bytes<D, BITS, KPC, MMA, GEAR>(g);
+  const size_t wbytes = warp_region_bytes<D, BITS, KPC, MMA, GEAR, sizeof(DType)>(g);
   char* region = smem + qbytes + warp * wbytes;
   float* slot = reinterpret_cast<float*>(region);
   const DType* qg = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
@@ -839,7 +877,7 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   if constexpr (MMA) {
     if (t_begin < t_end) {
       warp_mma<DType, D, BITS, KPC, GEAR>(p, b, h, g, t_begin, t_end, warp, slot, region,
-                                          region + (wbytes - (GEAR ? GearScratch<D>::BYTES : 0)), s_q);
+                                          region + (wbytes - (GEAR ? GearScratch::bytes(g, D) : 0)), s_q);
       have_mma = true;
     }
   }
@@ -915,7 +953,12 @@ inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
     if (!p.k.per_channel || p.gear_t0 % kTile != 0 || p.gear_nb % kTile != 0) return false;
     for (const GearKV* gk : {&p.gk, &p.gv})
       for (const GearSeg& sg : gk->seg)
-        if (sg.r > 0 && !aligned16(sg.A, sg.A_sb, sg.A_sh, 2)) return false;
+        if ((sg.r > 0 && !aligned16(sg.A, sg.A_sb, sg.A_sh, 2)) ||
+            (sg.off != nullptr && (!aligned16(sg.off, sg.f_sb, sg.f_sh, 4) || (sg.f_sblk * 4) % 16 != 0 ||
+                                   sg.off_len < gear_off_len(&sg == &gk->seg[0] ? p.gear_t0 : p.gear_nb))) ||
+            (sg.off == nullptr && sg.k > 0 &&
+             (!aligned16(sg.ov, sg.o_sb, sg.o_sh, p.dtype_bytes) || !aligned16(sg.oi, sg.o_sb, sg.o_sh, 1))))
+          return false;
   }
   return true;
 }
@@ -978,7 +1021,7 @@ template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false
 cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& plan, cudaStream_t stream) {
   auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR>;
   const int g = (int)(p.Hq / p.H);
-  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR>(g);
+  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR, sizeof(DType)>(g);
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
@@ -997,7 +1040,7 @@ int DecodeAttentionOccupancy(int g) {
   static int cache[kMaxGroup + 1] = {};  // per instantiation and g (benign race: same value)
   if (g >= 1 && g <= kMaxGroup && cache[g] > 0) return cache[g];
   auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR>;
-  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR>(g);
+  const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR, sizeof(DType)>(g);
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
     return 0;

@@ -44,7 +44,8 @@ struct QuantKV {
 /// bytes (uint8 / int16 / int32).  Keys (per-channel vectors), sorted by token for the
 /// kernel: [B, H, nblk, M] entries (M = D 2k per block), int16 index (token mod 32) << 8 |
 /// channel, and `off` [B, H, nblk, tiles + 1] int32: the entries of 32-token tile j of a block
-/// are [off[j], off[j + 1]).  Outlier values in the cache dtype.
+/// are [off[j], off[j + 1]) (CUDA reads a 16-byte aligned window of 8 offsets: rows padded to
+/// a multiple of 4 with 4 spare entries, see gear_off_len).  Outlier values in the cache dtype.
 struct GearSeg {
   const uint16_t* A = nullptr;  // fp16 [B, H, T_seg, r]
   const uint16_t* Bf = nullptr;  // fp16 [B, H, D, r] (segment 0) or [B, H, nblk, D, r]
@@ -55,12 +56,16 @@ struct GearSeg {
   int64_t o_sb = 0, o_sh = 0, o_sblk = 0;  // batch / head / block (keys) strides
   int k = 0;                               // entries per side (2k per vector)
   int ibytes = 1;
-  const int32_t* off = nullptr;            // keys: per-tile entry offsets
+  const int32_t* off = nullptr;            // keys: per-tile entry offsets (rows of off_len >= tiles + 1)
   int64_t f_sb = 0, f_sh = 0, f_sblk = 0;  // their batch / head / block strides
+  int64_t off_len = 0;
 };
 struct GearKV {
   GearSeg seg[2];
 };
+
+/// Row length of the key outlier tile offsets the CUDA kernel needs for a block of T tokens.
+KVQ_HOST_DEVICE int64_t gear_off_len(int64_t T) { return ((T + 31) / 32 + 1 + 3) / 4 * 4 + 4; }
 
 KVQ_HOST_DEVICE int64_t gear_index(const void* oi, int ibytes, int64_t off) {
   return ibytes == 1 ? (int64_t) static_cast<const uint8_t*>(oi)[off]
@@ -86,6 +91,7 @@ struct DecodeAttnParams {
   int64_t mask_sb = 0;
   QuantKV k, v;
   int64_t B = 0, H = 0, Hq = 0, D = 0, T = 0;
+  int dtype_bytes = 2;  // of q, the residuals and GEAR outlier values
   float scale = 1.f;
   // GEAR layers (gear = true): k and v are the concatenated backbones of all blocks
   // (k.Tq == v.Tq), the residuals the full-precision buffers.
