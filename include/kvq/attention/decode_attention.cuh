@@ -242,6 +242,20 @@ __device__ __forceinline__ float gear_lr(const uint16_t* s_a, int tl, const uint
   for (int j = 0; j < r; ++j) acc += half_bits_to_float(s_a[tl * r + j]) * half_bits_to_float(__ldg(Bf + c * r + j));
   return acc;
 }
+/// Runs f() on every active lane with plain shared-memory read-modify-writes instead of
+/// atomics (fp32 shared atomics are CAS loops on sm_90): lanes whose `key` (the address they
+/// update) collides take turns.  Warp-uniform call.
+template <typename F>
+__device__ __forceinline__ void warp_serialize_conflicts(bool active, int key, int lane, F&& f) {
+  const unsigned grp = __match_any_sync(0xffffffffu, active ? key : -1 - lane);
+  const int rank = __popc(grp & ((1u << lane) - 1u));
+  const unsigned turns = __reduce_max_sync(0xffffffffu, active ? (unsigned)__popc(grp) : 0u);
+  for (unsigned r = 0; r < turns; ++r) {
+    if (active && rank == (int)r) f();
+    __syncwarp();
+  }
+}
+
 /// Two fp16 entries (cols j, j + 1 of row `row` of an [rows, r] fp16 array), zero beyond r.
 __device__ __forceinline__ uint32_t gear_pair(const uint16_t* a, int row, int j, int r) {
   const uint32_t lo = j < r ? (uint32_t)a[row * r + j] : 0u;
@@ -501,19 +515,28 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         __syncwarp();
         const DType* ov = reinterpret_cast<const DType*>(kg.ov);
         const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
-        auto key_entry = [&](uint32_t pk, float val) {
+        // one entry per lane and round (warp-uniform rounds): its correction goes to token tl
+        auto key_entry = [&](bool active, uint32_t pk, float val) {
           const int tl = (pk >> 8) & (kTile - 1), ch = pk & (D - 1);
-          const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
-          const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
-          float khat = code * half_bits_to_float(s_ks[ch]) + half_bits_to_float(s_kz[ch]);
-          if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
-          const float dlt = val - khat;
-          for (int hh = 0; hh < g; ++hh) atomicAdd(&s_corr[tl * 8 + hh], s_q[hh * D + ch] * dlt);
+          float dlt = 0.f;
+          if (active) {
+            const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
+            const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
+            float khat = code * half_bits_to_float(s_ks[ch]) + half_bits_to_float(s_kz[ch]);
+            if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
+            dlt = val - khat;
+          }
+          warp_serialize_conflicts(active, tl, lane, [&] {
+            for (int hh = 0; hh < g; ++hh) s_corr[tl * 8 + hh] += s_q[hh * D + ch] * dlt;
+          });
         };
 #pragma unroll
         for (int m = 0; m < KE; ++m)
-          if (e_lo + lane + 32 * m < e_hi) key_entry(e_pk[m], e_val[m]);
-        for (int e = e_lo + lane + 32 * KE; e < e_hi; e += 32) key_entry(__ldg(oi + e), to_float(ov[e]));
+          if (e_lo + 32 * m < e_hi) key_entry(e_lo + lane + 32 * m < e_hi, e_pk[m], e_val[m]);
+        for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {
+          const int e = e0 + lane;
+          key_entry(e < e_hi, e < e_hi ? __ldg(oi + e) : 0u, e < e_hi ? to_float(ov[e]) : 0.f);
+        }
         __syncwarp();
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
@@ -642,7 +665,9 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           float vhat = code * half_bits_to_float(s_vs[gi]) + half_bits_to_float(s_vz[gi]);
           if (vg.r > 0) vhat += gear_lr(s_va, tl, vg.Bf, ch, vg.r);
           const float dlt = to_float(ov[j]) - vhat;
-          for (int hh = 0; hh < g; ++hh) atomicAdd(&s_oc[hh * D + ch], s_pf[tl * 8 + hh] * dlt);
+          warp_serialize_conflicts(true, ch, lane, [&] {
+            for (int hh = 0; hh < g; ++hh) s_oc[hh * D + ch] += s_pf[tl * 8 + hh] * dlt;
+          });
         }
       }
       // end of a block for this warp: O^T += B_v (channels x ranks) . U (ranks x heads)
