@@ -296,24 +296,24 @@ __device__ void pow_finalize(float* Ms, const double* Gd, double* Kd, float* Bs,
 // ---------------------------------------------------------------------------
 // Small path: one block per matrix, X resident in shared memory.
 // ---------------------------------------------------------------------------
-template <typename DType, int DMAX, int RB>
-__global__ void __launch_bounds__(kPowThreads) PowerIterSmallKernel(PowerIterParams p,
-                                                                    int rows_pad) {
-  constexpr int STRIDE = PowerDims<DMAX>::STRIDE, SLOTS = PowerSlots<DMAX, RB>::SLOTS;
-  extern __shared__ float pow_smem[];
+
+/// \brief The whole algorithm on one matrix already in shared memory: Rs holds X as floats
+/// ([rows_pad, STRIDE], rows >= T zero), Ps has rows_pad * kBStride floats.  Writes
+/// A ([T, r]) and Bout ([d, r]).  All kPowThreads threads; Rs must be complete on entry
+/// (or become complete before the first barrier: pow_init_basis starts with barriers).
+/// Shared by PowerIterSmallKernel and the fused GEAR compress kernel (gear_small.cuh), so
+/// both produce bit-identical factors from the same residual.
+template <typename OutT, int DMAX, int RB>
+__device__ __forceinline__ void pow_small_run(const float* Rs, float* Ps, int rows_pad, int64_t T,
+                                              int d, int r, int iters, uint64_t seed, OutT* A,
+                                              OutT* Bout) {
+  constexpr int SLOTS = PowerSlots<DMAX, RB>::SLOTS;
   __shared__ float Bs[DMAX * kBStride];
   __shared__ float Ms[DMAX * RB];
   __shared__ double Gd[RB * RB], Kd[RB * RB], Gtmp[RB * RB];
   __shared__ int s_flag;
-  float* Rs = pow_smem;
-  float* Ps = pow_smem + (size_t)rows_pad * STRIDE;
-  const int64_t n = blockIdx.x, T = p.T;
-  const int d = (int)p.d, r = p.rank;
-  const DType* X = static_cast<const DType*>(p.x) + n * T * d;
-  pow_load_rows<DType, DMAX>(X, T, d, 0, rows_pad, Rs);
-  pow_init_basis<RB>(Bs, d, RB, p.seed, Gtmp, Kd, &s_flag);  // ends with a barrier
-  DType* Bout = static_cast<DType*>(p.B) + n * d * r;
-  for (int it = 1; it <= p.iters; ++it) {
+  pow_init_basis<RB>(Bs, d, RB, seed, Gtmp, Kd, &s_flag);  // ends with a barrier
+  for (int it = 1; it <= iters; ++it) {
     for (int row0 = 0; row0 < rows_pad; row0 += kPowTile) pow_compute_P<DMAX, RB>(Rs, row0, d, Bs, Ps);
     __syncthreads();
     float m[SLOTS];
@@ -323,16 +323,31 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterSmallKernel(PowerIterPar
     pow_accumulate<DMAX, RB>(Rs, Ps, 0, rows_pad, d, m, g);
     pow_store_M<DMAX, RB>(m, d, Ms);
     if (threadIdx.x < RB * RB) Gd[threadIdx.x] = (double)g;
-    pow_finalize<DType, RB>(Ms, Gd, Kd, Bs, d, r, it == p.iters, p.seed, Bout, Gtmp, &s_flag);
+    pow_finalize<OutT, RB>(Ms, Gd, Kd, Bs, d, r, it == iters, seed, Bout, Gtmp, &s_flag);
   }
   // Bs now holds W: A = X W.
   for (int row0 = 0; row0 < rows_pad; row0 += kPowTile) pow_compute_P<DMAX, RB>(Rs, row0, d, Bs, Ps);
   __syncthreads();
-  DType* A = static_cast<DType*>(p.A) + n * T * r;
   for (int idx = threadIdx.x; idx < T * r; idx += kPowThreads) {
     const int t = idx / r, c = idx - t * r;
-    A[idx] = from_float<DType>(Ps[t * kBStride + c]);
+    A[idx] = from_float<OutT>(Ps[t * kBStride + c]);
   }
+}
+
+template <typename DType, int DMAX, int RB>
+__global__ void __launch_bounds__(kPowThreads) PowerIterSmallKernel(PowerIterParams p,
+                                                                    int rows_pad) {
+  constexpr int STRIDE = PowerDims<DMAX>::STRIDE;
+  extern __shared__ float pow_smem[];
+  float* Rs = pow_smem;
+  float* Ps = pow_smem + (size_t)rows_pad * STRIDE;
+  const int64_t n = blockIdx.x, T = p.T;
+  const int d = (int)p.d, r = p.rank;
+  const DType* X = static_cast<const DType*>(p.x) + n * T * d;
+  pow_load_rows<DType, DMAX>(X, T, d, 0, rows_pad, Rs);
+  pow_small_run<DType, DMAX, RB>(Rs, Ps, rows_pad, T, d, r, p.iters, p.seed,
+                                 static_cast<DType*>(p.A) + n * T * r,
+                                 static_cast<DType*>(p.B) + n * d * r);
 }
 
 // ---------------------------------------------------------------------------
