@@ -403,6 +403,139 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterPassKernel(PowerIterPara
   }
 }
 
+/// \brief Register-resident pass (16-bit inputs, d == DMAX): no shared-memory tile.
+/// Thread (row slot, seg) owns channels [8 seg, 8 seg + 8) of one row per step (one 16-byte
+/// load), keeps its 8 x RB slice of B~ and its 8 x RB slice of M in registers; P of the row
+/// is reduced over the SEGS = d / 8 lanes of the row with xor shuffles, lane seg < RB
+/// accumulates row seg of G.  Per element: RB FMAs for P, RB for M, ~log2(SEGS) * RB / 8
+/// shuffles; the shared-memory version spent ~10 shared-memory wavefronts per element and was
+/// bound by them.  End: M and G reduced over the row slots (shuffles, then warps in a fixed
+/// order through shared memory: deterministic), written as the same partials as
+/// PowerIterPassKernel.  it == 0: A = X W (lane seg < r writes column seg).
+template <typename DType, int DMAX, int RB>
+__global__ void __launch_bounds__(kPowThreads, 1) PowerIterPassRegKernel(PowerIterParams p, int it,
+                                                                      int64_t rows_per_split) {
+  static_assert(sizeof(DType) == 2, "16-bit inputs only");
+  constexpr int SEGS = DMAX / 8;             // lanes per row
+  constexpr int RPS = kPowThreads / SEGS;    // rows per step
+  constexpr int U = RB >= 8 ? 2 : 4;         // steps per batch (16-byte loads in flight)
+  constexpr int NWARPS = kPowThreads / 32;
+  __shared__ float Bs[DMAX * kBStride];
+  __shared__ double Gd[RB * RB], Kd[RB * RB];
+  __shared__ int s_flag;
+  __shared__ float red[DMAX * RB + RB * RB];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int seg = tid % SEGS, rsub = tid / SEGS;
+  const int64_t s = blockIdx.x, n = blockIdx.y, S = gridDim.x, N = p.N, T = p.T;
+  const int d = DMAX, r = p.rank;
+  const DType* X = static_cast<const DType*>(p.x) + n * T * d;
+  if (it == 1) {
+    pow_init_basis<RB>(Bs, d, RB, p.seed, Gd, Kd, &s_flag);  // ends with a barrier
+  } else {
+    const float* src = p.ws + (it == 0 ? N * d * RB : 0) + n * d * RB;
+    for (int idx = tid; idx < d * RB; idx += kPowThreads)
+      Bs[(idx / RB) * kBStride + idx % RB] = src[idx];
+    __syncthreads();
+  }
+  float bt[8][RB], m[8][RB], g[RB];
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+#pragma unroll
+    for (int c = 0; c < RB; ++c) {
+      bt[e][c] = Bs[(seg * 8 + e) * kBStride + c];
+      m[e][c] = 0.f;
+    }
+#pragma unroll
+  for (int c = 0; c < RB; ++c) g[c] = 0.f;
+  const int64_t t_begin = s * rows_per_split;
+  const int64_t t_end = t_begin + rows_per_split < T ? t_begin + rows_per_split : T;
+  DType* A = static_cast<DType*>(p.A) + n * T * r;
+  // Software pipeline: the next batch's U loads are in flight while this batch is processed.
+  PowVec<DType, 8> raw[U], nxt[U];
+  auto load_batch = [&](int64_t t0, PowVec<DType, 8>(&dst)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t t = t0 + u * RPS + rsub;
+      if (t < t_end) {
+        dst[u] = *reinterpret_cast<const PowVec<DType, 8>*>(X + t * d + seg * 8);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dst[u].v[e] = from_float<DType>(0.f);
+      }
+    }
+  };
+  load_batch(t_begin, raw);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += RPS * U) {  // uniform trip count
+    if (t0 + RPS * U < t_end) load_batch(t0 + RPS * U, nxt);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float x[8], pc[RB];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = to_float(raw[u].v[e]);
+#pragma unroll
+      for (int c = 0; c < RB; ++c) {
+        float acc = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc = fmaf(x[e], bt[e][c], acc);
+        pc[c] = acc;
+      }
+#pragma unroll
+      for (int o = 1; o < SEGS; o <<= 1)
+#pragma unroll
+        for (int c = 0; c < RB; ++c) pc[c] += __shfl_xor_sync(kPowFullMask, pc[c], o);
+      float pa = 0.f;  // P[row][seg] (lanes seg < RB)
+#pragma unroll
+      for (int c = 0; c < RB; ++c)
+        if (c == seg) pa = pc[c];
+      if (it == 0) {
+        const int64_t t = t0 + u * RPS + rsub;
+        if (t < t_end && seg < r) A[t * r + seg] = from_float<DType>(pa);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+#pragma unroll
+          for (int c = 0; c < RB; ++c) m[e][c] = fmaf(x[e], pc[c], m[e][c]);
+#pragma unroll
+        for (int c = 0; c < RB; ++c) g[c] = fmaf(pa, pc[c], g[c]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) raw[u] = nxt[u];
+  }
+  if (it == 0) return;
+  // Reduce over the row slots: lanes with the same seg in a warp, then warps in order.
+#pragma unroll
+  for (int o = SEGS; o < 32; o <<= 1) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+#pragma unroll
+      for (int c = 0; c < RB; ++c) m[e][c] += __shfl_xor_sync(kPowFullMask, m[e][c], o);
+#pragma unroll
+    for (int c = 0; c < RB; ++c) g[c] += __shfl_xor_sync(kPowFullMask, g[c], o);
+  }
+  for (int w = 0; w < NWARPS; ++w) {
+    if (warp == w && lane < SEGS) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+#pragma unroll
+        for (int c = 0; c < RB; ++c) {
+          float* dst = red + (seg * 8 + e) * RB + c;
+          *dst = w == 0 ? m[e][c] : *dst + m[e][c];
+        }
+      if (seg < RB) {
+#pragma unroll
+        for (int c = 0; c < RB; ++c) {
+          float* dst = red + d * RB + seg * RB + c;
+          *dst = w == 0 ? g[c] : *dst + g[c];
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* part = p.ws + 2 * N * d * RB + (n * S + s) * (int64_t)(d * RB + RB * RB);
+  for (int idx = tid; idx < d * RB + RB * RB; idx += kPowThreads) part[idx] = red[idx];
+}
+
 template <typename DType, int DMAX, int RB>
 __global__ void __launch_bounds__(kPowThreads) PowerIterFinalizeKernel(PowerIterParams p, int it,
                                                                        int64_t S) {
@@ -470,11 +603,23 @@ cudaError_t PowerIter(const PowerIterParams& p, cudaStream_t stream) {
   const int64_t S = power_iter_splits(p.N, p.T);
   const int64_t rps = ((p.T + S - 1) / S + kPowTile - 1) / kPowTile * kPowTile;
   const dim3 grid((unsigned)S, (unsigned)p.N);
-  for (int it = 1; it <= p.iters; ++it) {
+  // 16-bit inputs with d == DMAX (64 / 128 / 256: GEAR residuals): register-resident passes.
+  constexpr bool kReg = sizeof(DType) == 2;
+  const bool reg = kReg && p.d == DMAX;
+  auto pass = [&](int it) {
+    if constexpr (kReg) {
+      if (reg) {
+        PowerIterPassRegKernel<DType, DMAX, RB><<<grid, kPowThreads, 0, stream>>>(p, it, rps);
+        return;
+      }
+    }
     PowerIterPassKernel<DType, DMAX, RB><<<grid, kPowThreads, 0, stream>>>(p, it, rps);
+  };
+  for (int it = 1; it <= p.iters; ++it) {
+    pass(it);
     PowerIterFinalizeKernel<DType, DMAX, RB><<<(unsigned)p.N, kPowThreads, 0, stream>>>(p, it, S);
   }
-  PowerIterPassKernel<DType, DMAX, RB><<<grid, kPowThreads, 0, stream>>>(p, 0, rps);
+  pass(0);
   return cudaGetLastError();
 }
 
