@@ -22,6 +22,10 @@ cudaError_t gear_clamp_cuda(const GearParams& p, DTypeId dtype, cudaStream_t str
   return KVQ_DISPATCH_DTYPE(dtype, DType, [&] { return GearClamp<DType>(p, stream); });
 }
 
+cudaError_t gear_clamp_quant_resid_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream) {
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&] { return GearClampQuantResid<DType>(p, stream); });
+}
+
 cudaError_t gear_residual_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream) {
   return KVQ_DISPATCH_DTYPE(dtype, DType, [&] {
     return KVQ_DISPATCH_BITS(p.q.bits, BITS, [&] {

@@ -53,6 +53,9 @@ cudaError_t power_iter_cuda(const PowerIterParams& p, DTypeId dtype, cudaStream_
 namespace gear {
 /// \brief p.xc = clamp(p.x, bounds) (+ finite check of p.x into p.status).
 cudaError_t gear_clamp_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief Long-matrix path: clamp + quantize (p.q) + fp16 residual in one launch
+/// (gear_cqr_rows(...) > 0); outliers still need gear_zero_outliers_cuda.
+cudaError_t gear_clamp_quant_resid_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.resid = fp16(xc - dequant(p.q)).
 cudaError_t gear_residual_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.resid = 0 at the outlier positions.

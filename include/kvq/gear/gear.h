@@ -77,6 +77,18 @@ inline size_t gear_small_smem(int64_t T, int64_t D) {
   return bytes <= kLimit ? bytes : 0;
 }
 
+/// \brief Rows per tile and dynamic shared memory (bytes) of the fused clamp + quantize +
+/// residual kernel of the long-matrix CUDA path (GearClampQuantResidKernel), or 0 when the
+/// layout does not qualify: per-channel groups of G <= 128 tokens (one group per tile) or
+/// per-token groups (64-row tiles); D a multiple of 8.
+inline int gear_cqr_rows(int64_t T, int64_t D, int64_t G, bool per_channel) {
+  if (T <= 0 || D <= 0 || D % 8 != 0 || G <= 0) return 0;
+  const int64_t rows = per_channel ? G : 64;
+  if (rows > 128 || rows * D * 5 > 100 * 1024) return 0;
+  return (int)rows;
+}
+inline size_t gear_cqr_smem(int rows, int64_t D) { return (size_t)rows * (size_t)D * 5; }
+
 /// \brief Flat offset of element j of vector v of matrix n.
 KVQ_HOST_DEVICE int64_t vec_offset(const GearParams& p, int64_t n, int64_t v, int64_t j) {
   return p.per_channel ? (n * p.T + j) * p.D + v : (n * p.T + v) * p.D + j;
