@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
         const unsigned peers = __match_any_sync(mT, dg);
         if (lane == __ffs(peers) - 1) atomicAdd(&hist[0][dg], __popc(peers));
       }
-      if (inB) {
+      if (inB && pass > 0) {  // pass 0: both sides see every entry, one histogram serves
         const unsigned dg = (unsigned)(ck >> (shB - 8)) & 255u;
         const unsigned peers = __match_any_sync(mB, dg);
         if (lane == __ffs(peers) - 1) atomicAdd(&hist[1][dg], __popc(peers));
@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const int o = 8 * lane + e;
-        cnt[e] = hist[side][desc ? 255 - o : o];
+        cnt[e] = hist[pass == 0 ? 0 : side][desc ? 255 - o : o];
         s += cnt[e];
       }
       int incl = s;
