@@ -6,8 +6,11 @@ torch.linalg.qr), in the same run.  Prints a markdown table.
     python3 bench/bench_gear.py --tokens 32768 --batch 1
 
 Timing: CUDA events around each call, median over --iters runs, L2 flushed before every
-run by writing a buffer larger than the L2 (cold cache).  Without a GPU it falls back to
-wall-clock CPU timing (for a smoke test only).
+run by writing a buffer larger than the L2 (cold cache).  "eager" is the plain call (with the
+default check_finite=True, i.e. one device->host sync); "graph" is the call with
+check_finite=False captured once in a CUDA graph and replayed (GPU time only: no Python,
+dispatcher or launch overhead).  Without a GPU it falls back to wall-clock CPU timing (for a
+smoke test only; no graph column).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import sys
 import kvquant_ext as kvq
 
 sys.path.insert(0, os.path.dirname(__file__))
-from utils import bench_time  # noqa: E402
+from utils import bench_gpu_time, bench_time  # noqa: E402
 
 
 @dataclass
@@ -96,6 +99,16 @@ def gear_torch(x, bits, group, per_channel, sparsity, rank, iters=3, seed=0):
 
 
 # ----------------------------------------------------------------------------- main
+def _graph_time(fn, args) -> float:
+    """GPU time of fn replayed from a CUDA graph (nan, with a note, if capture fails)."""
+    try:
+        return bench_gpu_time(fn, samples=args.iters, warmup=args.warmup, graph=True)["us"]
+    except Exception as e:  # noqa: BLE001 - report and keep benchmarking
+        print(f"# graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        torch.cuda.synchronize()
+        return float("nan")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
@@ -132,6 +145,11 @@ def main():
                            warmup=args.warmup, device=dev)
             t_gear = bench_time(lambda: kvq.gear_compress(x, c.bits, G, pc, c.sparsity, c.rank, c.iters),
                            iters=args.iters, warmup=args.warmup, device=dev)
+            gk = gg = float("nan")
+            if dev == "cuda":
+                gk = _graph_time(lambda: kvq.quantize(x, c.bits, G, pc, check_finite=False), args)
+                gg = _graph_time(lambda: kvq.gear_compress(x, c.bits, G, pc, c.sparsity, c.rank, c.iters,
+                                                           check_finite=False), args)
             t_torch = float("nan")
             if not args.no_torch:
                 t_torch = bench_time(lambda: gear_torch(x, c.bits, G, pc, c.sparsity, c.rank, c.iters),
@@ -142,17 +160,20 @@ def main():
             err = ((rec.float() - x.float()).norm() / x.float().norm()).item()
             err_kivi = ((kivi.float() - x.float()).norm() / x.float().norm()).item()
             r = dict(case=c.name, role=role, shape=[c.B, c.H, c.T, c.D], kivi_us=t_kivi,
-                     gear_us=t_gear, torch_us=t_torch, gear_over_kivi=t_gear / t_kivi,
+                     gear_us=t_gear, kivi_graph_us=gk, gear_graph_us=gg,
+                     gear_over_kivi_graph=gg / gk, torch_us=t_torch, gear_over_kivi=t_gear / t_kivi,
                      torch_over_gear=t_torch / t_gear, rel_err=err, rel_err_kivi=err_kivi)
             results.append(r)
             rows.append(f"| {c.name} | {role} | {c.B}x{c.H}x{c.T}x{c.D} | {t_kivi:.1f} | {t_gear:.1f} | "
+                        f"{gk:.1f} | {gg:.1f} | {gg / gk:.2f}x | "
                         f"{t_torch:.1f} | {t_gear / t_kivi:.2f}x | {t_torch / t_gear:.1f}x | "
                         f"{err:.4f} / {err_kivi:.4f} |")
     name = torch.cuda.get_device_name(0) if dev == "cuda" else "CPU"
     print(f"\nGEAR compression on {name}, {args.dtype}, median of {args.iters} runs, cold L2\n")
-    print("| case | role | B x H x T x D | KIVI quantize (us) | gear_compress (us) | torch ops (us) "
-          "| GEAR / KIVI | torch / GEAR | rel. error GEAR / KIVI |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | role | B x H x T x D | KIVI quantize (us) | gear_compress (us) "
+          "| KIVI graph (us) | GEAR graph (us) | GEAR / KIVI graph "
+          "| torch ops (us) | GEAR / KIVI | torch / GEAR | rel. error GEAR / KIVI |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json:
         with open(args.json, "w") as f:

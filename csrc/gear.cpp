@@ -177,20 +177,55 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
   const int64_t N = leading_numel(c.x, 2);
   const int64_t L = per_channel ? T : D;
   c.k = select::outlier_count(sparsity, L);
-  c.sel = prepare_outlier_select(c.x, c.k, per_channel, /*want_bounds=*/c.k > 0, op);
+  // CUDA, short matrices (decode blocks): one fused launch, no intermediate tensors.
+  const bool small = cuda && N > 0 && gear::gear_small_smem(T, D) > 0;
+  c.small = small;
+  {
+    const int64_t Gr = per_channel ? (group_size == -1 ? T : group_size) : (group_size == -1 ? D : group_size);
+    const int rows = gear::gear_cqr_rows(T, D, Gr, per_channel);
+    c.cqr = cuda && !small && N > 0 && N <= 65535 && rows > 0 && (!per_channel || T % rows == 0);
+  }
+  c.sel = prepare_outlier_select(c.x, c.k, per_channel, /*want_bounds=*/c.k > 0 && !small, op);
   if (check_finite) c.status = at::zeros({1}, c.x.options().dtype(at::kInt));
-  if (c.k > 0) {
-    c.xc = at::empty_like(c.x);
+  if (c.k > 0 && !small) {
+    if (!c.cqr) c.xc = at::empty_like(c.x);
     if (cuda && select::vector_length(c.sel.params) > 256)
       c.keys_ws = at::empty({std::max<int64_t>(1, N * T * D)}, c.x.options().dtype(at::kInt));
     if (c.keys_ws.defined()) c.sel.params.keys_ws = reinterpret_cast<uint32_t*>(c.keys_ws.data_ptr());
   }
   // Backbone (format of kvq.quantize); the finite check is done on x by the clamp step when
   // there are outliers, by the quantizer otherwise.
-  c.quant = prepare_quantize(c.k > 0 ? c.xc : c.x, bits, group_size, per_channel, false);
+  c.quant = prepare_quantize(c.xc.defined() ? c.xc : c.x, bits, group_size, per_channel, false);
   c.quant.params.status = (check_finite && c.k == 0) ? c.status.data_ptr<int32_t>() : nullptr;
-  c.resid = at::empty({N, T, D}, c.x.options().dtype(at::kHalf));
   auto lead = lead_shape(c.x, 2);
+  if (small) {
+    // NOTE: x itself is never modified; the fused kernel clamps and quantizes in shared memory.
+    c.A = at::empty(with_tail(lead, T, rank), c.x.options().dtype(at::kHalf));
+    c.B = at::empty(with_tail(lead, D, rank), c.x.options().dtype(at::kHalf));
+    c.rank = rank;
+    auto& s = c.small_params;
+    s.x = c.x.data_ptr();
+    s.codes = c.quant.params.codes;
+    s.scale = c.quant.params.scale;
+    s.zero = c.quant.params.zero;
+    s.ovalues = c.sel.values.data_ptr();
+    s.oindices = reinterpret_cast<uint8_t*>(c.sel.indices.data_ptr());
+    s.A = reinterpret_cast<uint16_t*>(c.A.data_ptr());
+    s.B = reinterpret_cast<uint16_t*>(c.B.data_ptr());
+    s.status = check_finite ? c.status.data_ptr<int32_t>() : nullptr;
+    s.N = N;
+    s.T = T;
+    s.D = D;
+    s.group = c.quant.params.group;
+    s.k = c.k;
+    s.bits = (int)bits;
+    s.rank = (int)rank;
+    s.iters = (int)iters;
+    s.seed = (uint64_t)seed;
+    s.per_channel = per_channel;
+    return c;
+  }
+  c.resid = at::empty({N, T, D}, c.x.options().dtype(at::kHalf));
   if (rank > 0 && T > 0) {
     c.pi = prepare_power_iter(c.resid, rank, iters, seed, cuda, op);
     c.A = c.pi.A.view(with_tail(lead, T, rank));
@@ -202,7 +237,7 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
   c.rank = rank;
   auto& g = c.gear;
   g.x = c.x.data_ptr();
-  g.xc = c.k > 0 ? c.xc.data_ptr() : nullptr;
+  g.xc = c.xc.defined() ? c.xc.data_ptr() : nullptr;
   g.bounds = c.k > 0 ? c.sel.bounds.data_ptr<float>() : nullptr;
   g.resid = reinterpret_cast<uint16_t*>(c.resid.data_ptr());
   g.ovalues = c.sel.values.data_ptr();

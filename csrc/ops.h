@@ -102,8 +102,11 @@ struct GearCompressCall {
   QuantizeCall quant;
   PowerIterCall pi;
   gear::GearParams gear;
+  gear::GearSmallParams small_params;  // fused one-launch CUDA path (small == true)
   int64_t k = 0, rank = 0;
   bool check_finite = true;
+  bool small = false;  // CUDA, T <= 256: gear_compress_small_cuda (no xc / resid / bounds)
+  bool cqr = false;    // CUDA long path: gear_clamp_quant_resid_cuda (no xc)
 };
 GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_t group_size,
                                        bool per_channel, double sparsity, int64_t rank,

@@ -575,3 +575,106 @@ def test_cuda_opcheck():
     torch.library.opcheck(torch.ops.kvq.gear_compress.default, (x, 2, 32, True, 0.05, 2, 2, 0, True))
     out = kvq.gear_compress(x, 2, 32, True, 0.05, 2)
     torch.library.opcheck(torch.ops.kvq.gear_decompress.default, (*out, 2, True, torch.float16))
+
+
+# ============================================================================ fused small path
+# CUDA gear_compress runs ONE fused kernel per call when T <= 256 (decode blocks, see
+# include/kvq/gear/gear_small.cuh).  Outliers, scale, zero and codes use the arithmetic of the
+# CPU twin (exact); the factors come from the same power-iteration code as the CUDA
+# lowrank_power_iter small path.
+def _gear_residual(x, out, bits, per_channel):
+    """fp16 residual R = xc - dequant (0 at outliers / non-finite) rebuilt from the outputs:
+    xc clamps every vector into [min, max] of its non-outlier entries."""
+    codes, scale, zero, ov, oi = out[:5]
+    vec = (x.transpose(-1, -2) if per_channel else x).float()
+    out_mask = torch.zeros_like(vec, dtype=torch.bool)
+    if oi.numel():
+        out_mask.scatter_(-1, oi.long(), True)
+    lo = vec.masked_fill(out_mask, float("inf")).amin(-1, keepdim=True)
+    hi = vec.masked_fill(out_mask, float("-inf")).amax(-1, keepdim=True)
+    if oi.numel():
+        lo, hi = torch.where(lo.isinf(), 0.0, lo), torch.where(hi.isinf(), 0.0, hi)
+        vec = torch.minimum(torch.maximum(vec, lo), hi)
+    deq = kvq.dequantize(codes, scale, zero, bits, per_channel, torch.float32)
+    deq = deq.transpose(-1, -2) if per_channel else deq
+    R = vec - deq
+    R = torch.where(R.isfinite() & ~out_mask, R, 0.0).half()
+    return R.transpose(-1, -2).contiguous() if per_channel else R
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("T,D,bits,G,rank,s", [
+    (64, 128, 2, 64, 2, 0.02),     # gear-2 decode block (n_b = 64)
+    (20, 128, 4, -1, 2, 0.02),     # gear-4 decode block (KCVT, n_b = 20)
+    (64, 128, 2, 32, 0, 0.02),     # outlier-aware quantization (rank 0)
+    (64, 64, 2, 32, 4, 0.0),       # GEAR-L (no outliers)
+    (33, 32, 8, -1, 8, 0.3),       # odd T, many outliers, rank 8
+    (256, 128, 2, 64, 4, 0.02),    # largest fused tile
+    (1, 64, 4, -1, 1, 0.49),       # one token
+])
+def test_cuda_gear_small_fused_matches_cpu(dtype, per_channel, T, D, bits, G, rank, s):
+    if per_channel and G != -1 and T % G:
+        pytest.skip("T not a multiple of G")
+    if not per_channel and G == -1:
+        G = D
+    x = kv_like(2, 3, T, D, seed=T * D + rank, dtype=dtype)
+    out0 = kvq.gear_compress(x, bits, G, per_channel, s, rank)
+    out1 = [t.cpu() for t in kvq.gear_compress(x.cuda(), bits, G, per_channel, s, rank)]
+    for name, a, b in zip(("codes", "scale", "zero", "values", "indices"), out0[:5], out1[:5]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    A0, B0, A1, B1 = out0[5], out0[6], out1[5], out1[6]
+    assert A1.shape == A0.shape and B1.shape == B0.shape
+    if rank > 0:
+        R = _gear_residual(x, out1, bits, per_channel)
+        eye = torch.eye(rank, dtype=torch.float64)
+        AtA = A1.double().mT @ A1.double()
+        if R.abs().amax() > 0:  # (a zero residual, e.g. T = 1 per channel, gives A = 0)
+            torch.testing.assert_close(AtA, eye.expand_as(AtA), atol=5e-3, rtol=0)
+        def close(a, b, tol=1e-2):  # relative, and all-zero residuals (T = 1) allowed
+            return (a.double() - b.double()).norm() <= tol * b.double().norm() + 1e-6
+        assert close(B1, R.double().mT @ A1.double())
+        # the same power-iteration code as lowrank_power_iter's one-block CUDA path
+        Ar = kvq.lowrank_power_iter(R.cuda(), rank, 3, 0)[0].cpu().double()
+        assert close(A1.double() @ A1.double().mT, Ar @ Ar.mT)
+    rec0 = kvq.gear_decompress(*out0, bits, per_channel, dtype)
+    rec1 = kvq.gear_decompress(*out1, bits, per_channel, dtype)
+    e0, e1 = rel_err(rec0, x), rel_err(rec1, x)
+    assert abs(e0 - e1) <= 0.03 * e0 + 1e-3, (e0, e1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [64, 4096])
+def test_cuda_gear_compress_graph_capture(T):
+    """check_finite=False: no host sync, capturable (both the fused and the long path)."""
+    x = kv_like(2, 2, T, 128).cuda()
+    args = (2, 64, True, 0.02, 4)
+    ref = kvq.gear_compress(x, *args, check_finite=False)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kvq.gear_compress(x, *args, check_finite=False)
+        with torch.cuda.graph(g, stream=s):
+            out = kvq.gear_compress(x, *args, check_finite=False)
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(ref, out):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_cuda_gear_small_nonfinite(per_channel):
+    x = kv_like(1, 2, 64, 128)
+    bad = x.clone()
+    bad[0, 1, 3, 5] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN"):
+        kvq.gear_compress(bad.cuda(), 2, 64, per_channel, 0.02, 2)
+    out = [t.cpu() for t in kvq.gear_compress(bad.cuda(), 2, 32, per_channel, 0.0, 2, check_finite=False)]
+    ref = kvq.gear_compress(bad, 2, 32, per_channel, 0.0, 2, check_finite=False)
+    for name, a, b in zip(("codes", "scale", "zero"), ref[:3], out[:3]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name, equal_nan=True)

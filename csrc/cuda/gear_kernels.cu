@@ -5,8 +5,25 @@
 namespace kvq {
 namespace gear {
 
+cudaError_t gear_compress_small_cuda_f32(const GearSmallParams& p, cudaStream_t stream);
+cudaError_t gear_compress_small_cuda_f16(const GearSmallParams& p, cudaStream_t stream);
+cudaError_t gear_compress_small_cuda_bf16(const GearSmallParams& p, cudaStream_t stream);
+
+cudaError_t gear_compress_small_cuda(const GearSmallParams& p, DTypeId dtype, cudaStream_t stream) {
+  switch (dtype) {
+    case DTypeId::kFloat32: return gear_compress_small_cuda_f32(p, stream);
+    case DTypeId::kFloat16: return gear_compress_small_cuda_f16(p, stream);
+    case DTypeId::kBFloat16: return gear_compress_small_cuda_bf16(p, stream);
+    default: KVQ_THROW("kvq: unsupported dtype id ", (int)dtype);
+  }
+}
+
 cudaError_t gear_clamp_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream) {
   return KVQ_DISPATCH_DTYPE(dtype, DType, [&] { return GearClamp<DType>(p, stream); });
+}
+
+cudaError_t gear_clamp_quant_resid_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream) {
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&] { return GearClampQuantResid<DType>(p, stream); });
 }
 
 cudaError_t gear_residual_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream) {

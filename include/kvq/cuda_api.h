@@ -53,10 +53,15 @@ cudaError_t power_iter_cuda(const PowerIterParams& p, DTypeId dtype, cudaStream_
 namespace gear {
 /// \brief p.xc = clamp(p.x, bounds) (+ finite check of p.x into p.status).
 cudaError_t gear_clamp_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief Long-matrix path: clamp + quantize (p.q) + fp16 residual in one launch
+/// (gear_cqr_rows(...) > 0); outliers still need gear_zero_outliers_cuda.
+cudaError_t gear_clamp_quant_resid_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.resid = fp16(xc - dequant(p.q)).
 cudaError_t gear_residual_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.resid = 0 at the outlier positions.
 cudaError_t gear_zero_outliers_cuda(const GearParams& p, int index_bytes, cudaStream_t stream);
+/// \brief Whole compress of short matrices in one launch (gear_small_smem(T, D) > 0).
+cudaError_t gear_compress_small_cuda(const GearSmallParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.out = dequant(p.q) + A B^T, then outliers scattered in.
 cudaError_t gear_decompress_cuda(const GearParams& p, DTypeId dtype, int index_bytes,
                                  cudaStream_t stream);

@@ -88,6 +88,145 @@ __global__ void GearResidualKernel(GearParams p) {
   }
 }
 
+/// \brief Long-matrix path, one launch for steps 2-4 of the recipe: a CTA loads a tile of
+/// `rows` token rows of x (one per-channel group, or 64 rows for per-token groups) into
+/// shared memory as floats (finite check of x), clamps it into the inlier bounds (k > 0;
+/// rounded through DType exactly like GearClampKernel), quantizes every group of the tile
+/// (quant::make_qparams / quant_code: the arithmetic of group_quant, so codes, scale and
+/// zero equal kvq.quantize of the clamped x), writes the packed codes and the fp16 residual
+/// xc - (code * scale + zero) (0 where non-finite; outliers are zeroed afterwards by
+/// GearZeroOutliersKernel).  Replaces GearClamp + group quantize + GearResidual: x is read
+/// once instead of xc being written and read twice.  grid (ceil(T / rows), N), 256 threads.
+template <typename DType>
+__global__ void __launch_bounds__(256) GearClampQuantResidKernel(GearParams p, int rows) {
+  constexpr int VEC = 16 / sizeof(DType);
+  extern __shared__ float4 gear_cqr_smem_f4[];
+  const int D = (int)p.D, G = (int)p.q.group, bits = p.q.bits;
+  float* Rs = reinterpret_cast<float*>(gear_cqr_smem_f4);  // [rows, D]
+  uint8_t* codes8 = reinterpret_cast<uint8_t*>(Rs + rows * D);
+  const int tid = threadIdx.x;
+  const int64_t n = blockIdx.y, t0 = (int64_t)blockIdx.x * rows;
+  const int nr = (int)(p.T - t0 < rows ? p.T - t0 : rows);  // rows of this tile
+  const DType* x = static_cast<const DType*>(p.x) + (n * p.T + t0) * D;
+  const int64_t V = p.per_channel ? p.D : p.T;
+  int32_t status = 0;
+  const int vpr = D / VEC;
+  for (int idx = tid; idx < nr * vpr; idx += 256) {
+    const int r = idx / vpr, c0 = (idx - r * vpr) * VEC;
+    const quant::VecT<DType, VEC> in = reinterpret_cast<const quant::VecT<DType, VEC>*>(x + (int64_t)r * D)[c0 / VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      float v = to_float(in.v[e]);
+      if (p.status) status |= quant::value_status(v);
+      if (p.k > 0) {
+        const int64_t b = (n * V + (p.per_channel ? c0 + e : t0 + r)) * 2;
+        v = to_float(from_float<DType>(fminf(fmaxf(v, p.bounds[b]), p.bounds[b + 1])));
+      }
+      Rs[r * D + c0 + e] = v;
+    }
+  }
+  if (p.status) {
+    status = __reduce_or_sync(0xffffffffu, status);
+    if ((tid & 31) == 0 && status) atomicOr(p.status, status);
+  }
+  __syncthreads();
+  const float maxq = (float)((1 << bits) - 1);
+  if (p.per_channel) {
+    // The tile is one group: thread c owns channel c (column reads are conflict-free).
+    for (int c = tid; c < D; c += 256) {
+      float mn = INFINITY, mx = -INFINITY;
+      for (int r = 0; r < G; ++r) {
+        const float v = Rs[r * D + c];
+        mn = fminf(mn, v);
+        mx = fmaxf(mx, v);
+      }
+      const quant::QParams q = quant::make_qparams(mn, mx, bits);
+      const int64_t si = (n * (p.T / G) + t0 / G) * D + c;
+      p.q.scale[si] = q.s16;
+      p.q.zero[si] = q.z16;
+      for (int r = 0; r < G; ++r) {
+        const float xv = Rs[r * D + c];
+        const uint32_t code = quant::quant_code(xv, q.zero, q.inv, maxq);
+        codes8[r * D + c] = (uint8_t)code;
+        // NOTE: code * scale + zero as one FMA, as GearResidualKernel (gear_dequant_slice).
+        const float d = xv - __fmaf_rn((float)code, q.scale, q.zero);
+        Rs[r * D + c] = isfinite(d) ? d : 0.f;
+      }
+    }
+  } else {
+    // One warp per token row, lane l holds channels i * 32 + l; group min / max by xor
+    // shuffles within min(G, 32) lanes, then across the G / 32 slices of a wider group.
+    const int lane = tid & 31, warp = tid >> 5, nsl = D / 32, gpr = D / G;
+    for (int r = warp; r < nr; r += 8) {
+      float v[8], mn[8], mx[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        v[i] = i < nsl ? Rs[r * D + i * 32 + lane] : 0.f;
+        mn[i] = v[i];
+        mx[i] = v[i];
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          if (o < G) {
+            mn[i] = fminf(mn[i], __shfl_xor_sync(0xffffffffu, mn[i], o));
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+          }
+        }
+      }
+#pragma unroll
+      for (int sl = 1; sl < 8; sl <<= 1) {
+        if (sl * 32 < G) {  // slices i and i ^ sl belong to the same group
+          float tn[8], tx[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            tn[i] = fminf(mn[i], mn[i ^ sl]);
+            tx[i] = fmaxf(mx[i], mx[i ^ sl]);
+          }
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            mn[i] = tn[i];
+            mx[i] = tx[i];
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (i < nsl) {
+          const int c = i * 32 + lane;
+          const quant::QParams q = quant::make_qparams(mn[i], mx[i], bits);
+          if (c % G == 0) {
+            const int64_t si = (n * p.T + t0 + r) * gpr + c / G;
+            p.q.scale[si] = q.s16;
+            p.q.zero[si] = q.z16;
+          }
+          const uint32_t code = quant::quant_code(v[i], q.zero, q.inv, maxq);
+          codes8[r * D + c] = (uint8_t)code;
+          const float d = v[i] - __fmaf_rn((float)code, q.scale, q.zero);
+          Rs[r * D + c] = isfinite(d) ? d : 0.f;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  // residual rows (fp16, 16-byte stores) and packed codes
+  uint16_t* resid = p.resid + (n * p.T + t0) * D;
+  for (int idx = tid; idx < nr * (D / 8); idx += 256) {
+    const int r = idx / (D / 8), c0 = (idx - r * (D / 8)) * 8;
+    quant::VecT<uint16_t, 8> o;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o.v[e] = __half_as_ushort(__float2half_rn(Rs[r * D + c0 + e]));
+    reinterpret_cast<quant::VecT<uint16_t, 8>*>(resid + (int64_t)r * D)[c0 / 8] = o;
+  }
+  const int cpw = 32 / bits, W = D * bits / 32;
+  int32_t* codes = p.q.codes + (n * p.T + t0) * W;
+  for (int idx = tid; idx < nr * W; idx += 256) {
+    const int r = idx / W, w = idx - r * W;
+    const uint8_t* cs = codes8 + r * D + w * cpw;
+    uint32_t word = 0;
+    for (int j = 0; j < cpw; ++j) word |= (uint32_t)cs[j] << (j * bits);
+    codes[idx] = (int32_t)word;
+  }
+}
+
 /// \brief resid = 0 at every outlier position (one thread per stored outlier).
 template <typename IdType>
 __global__ void GearZeroOutliersKernel(GearParams p) {
@@ -160,6 +299,19 @@ template <typename DType, int EPL, int BITS>
 cudaError_t GearResidual(const GearParams& p, cudaStream_t stream) {
   if (p.N * p.T == 0) return cudaSuccess;
   GearResidualKernel<DType, EPL, BITS><<<gear_grid(p.N * p.T * 32, 256), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename DType>
+cudaError_t GearClampQuantResid(const GearParams& p, cudaStream_t stream) {
+  if (p.N * p.T == 0) return cudaSuccess;
+  const int rows = gear_cqr_rows(p.T, p.D, p.q.group, p.per_channel);
+  if (rows == 0 || p.N > 65535 || (p.per_channel && p.T % rows != 0)) return cudaErrorInvalidValue;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      GearClampQuantResidKernel<DType>, cudaFuncAttributeMaxDynamicSharedMemorySize, 100 * 1024);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid((unsigned)((p.T + rows - 1) / rows), (unsigned)p.N);
+  GearClampQuantResidKernel<DType><<<grid, 256, gear_cqr_smem(rows, p.D), stream>>>(p, rows);
   return cudaGetLastError();
 }
 

@@ -42,6 +42,53 @@ struct GearParams {
   bool per_channel = false;
 };
 
+/// \brief One fused compress launch for short matrices (decode blocks, T <= 256): one CTA
+/// per [T, D] matrix does outlier selection, clamp, quantization, residual and the power
+/// iteration with the matrix resident in shared memory (gear_small.cuh).  Outputs exactly
+/// those of the multi-launch path.
+struct GearSmallParams {
+  const void* x;      // [N, T, D] input (DType)
+  int32_t* codes;     // [N, T, D * bits / 32]
+  uint16_t* scale;    // fp16 bits, group_quant layout
+  uint16_t* zero;
+  void* ovalues;      // [N, V, 2k] DType
+  uint8_t* oindices;  // [N, V, 2k] (L <= 256: uint8)
+  uint16_t* A;        // [N, T, rank] fp16 bits
+  uint16_t* B;        // [N, D, rank] fp16 bits
+  int32_t* status;    // optional [1] StatusFlag (finite check of x)
+  int64_t N = 0, T = 0, D = 0, group = 0, k = 0;
+  int bits = 0, rank = 0, iters = 0;
+  uint64_t seed = 0;
+  bool per_channel = false;
+};
+
+/// \brief Dynamic shared memory (bytes) of the fused small-matrix compress kernel, or 0 when
+/// the matrix does not qualify (T == 0, T > 256, D > 256, or over the budget).  Layout: Rs
+/// float [rows_pad, DMAX + 8] | Ps float [rows_pad, 9] | codes u8 [rows_pad, DMAX] | outlier
+/// mask u32 [rows_pad * DMAX / 32] | bounds float [max(DMAX, rows_pad), 2].
+inline size_t gear_small_smem(int64_t T, int64_t D) {
+  constexpr size_t kLimit = 200 * 1024;
+  if (T <= 0 || T > 256 || D <= 0 || D > 256) return 0;
+  const int64_t rows_pad = (T + 31) / 32 * 32;
+  const int64_t dmax = D <= 64 ? 64 : (D <= 128 ? 128 : 256);
+  const int64_t vmax = dmax > rows_pad ? dmax : rows_pad;
+  const size_t bytes = (size_t)(rows_pad * (dmax + 8) * 4 + rows_pad * 9 * 4 + rows_pad * dmax +
+                                rows_pad * dmax / 8 + vmax * 2 * 4);
+  return bytes <= kLimit ? bytes : 0;
+}
+
+/// \brief Rows per tile and dynamic shared memory (bytes) of the fused clamp + quantize +
+/// residual kernel of the long-matrix CUDA path (GearClampQuantResidKernel), or 0 when the
+/// layout does not qualify: per-channel groups of G <= 128 tokens (one group per tile) or
+/// per-token groups (64-row tiles); D a multiple of 8.
+inline int gear_cqr_rows(int64_t T, int64_t D, int64_t G, bool per_channel) {
+  if (T <= 0 || D <= 0 || D % 8 != 0 || G <= 0) return 0;
+  const int64_t rows = per_channel ? G : 64;
+  if (rows > 128 || rows * D * 5 > 100 * 1024) return 0;
+  return (int)rows;
+}
+inline size_t gear_cqr_smem(int rows, int64_t D) { return (size_t)rows * (size_t)D * 5; }
+
 /// \brief Flat offset of element j of vector v of matrix n.
 KVQ_HOST_DEVICE int64_t vec_offset(const GearParams& p, int64_t n, int64_t v, int64_t j) {
   return p.per_channel ? (n * p.T + j) * p.D + v : (n * p.T + v) * p.D + j;

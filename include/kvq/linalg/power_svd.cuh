@@ -296,24 +296,24 @@ __device__ void pow_finalize(float* Ms, const double* Gd, double* Kd, float* Bs,
 // ---------------------------------------------------------------------------
 // Small path: one block per matrix, X resident in shared memory.
 // ---------------------------------------------------------------------------
-template <typename DType, int DMAX, int RB>
-__global__ void __launch_bounds__(kPowThreads) PowerIterSmallKernel(PowerIterParams p,
-                                                                    int rows_pad) {
-  constexpr int STRIDE = PowerDims<DMAX>::STRIDE, SLOTS = PowerSlots<DMAX, RB>::SLOTS;
-  extern __shared__ float pow_smem[];
+
+/// \brief The whole algorithm on one matrix already in shared memory: Rs holds X as floats
+/// ([rows_pad, STRIDE], rows >= T zero), Ps has rows_pad * kBStride floats.  Writes
+/// A ([T, r]) and Bout ([d, r]).  All kPowThreads threads; Rs must be complete on entry
+/// (or become complete before the first barrier: pow_init_basis starts with barriers).
+/// Shared by PowerIterSmallKernel and the fused GEAR compress kernel (gear_small.cuh), so
+/// both produce bit-identical factors from the same residual.
+template <typename OutT, int DMAX, int RB>
+__device__ __forceinline__ void pow_small_run(const float* Rs, float* Ps, int rows_pad, int64_t T,
+                                              int d, int r, int iters, uint64_t seed, OutT* A,
+                                              OutT* Bout) {
+  constexpr int SLOTS = PowerSlots<DMAX, RB>::SLOTS;
   __shared__ float Bs[DMAX * kBStride];
   __shared__ float Ms[DMAX * RB];
   __shared__ double Gd[RB * RB], Kd[RB * RB], Gtmp[RB * RB];
   __shared__ int s_flag;
-  float* Rs = pow_smem;
-  float* Ps = pow_smem + (size_t)rows_pad * STRIDE;
-  const int64_t n = blockIdx.x, T = p.T;
-  const int d = (int)p.d, r = p.rank;
-  const DType* X = static_cast<const DType*>(p.x) + n * T * d;
-  pow_load_rows<DType, DMAX>(X, T, d, 0, rows_pad, Rs);
-  pow_init_basis<RB>(Bs, d, RB, p.seed, Gtmp, Kd, &s_flag);  // ends with a barrier
-  DType* Bout = static_cast<DType*>(p.B) + n * d * r;
-  for (int it = 1; it <= p.iters; ++it) {
+  pow_init_basis<RB>(Bs, d, RB, seed, Gtmp, Kd, &s_flag);  // ends with a barrier
+  for (int it = 1; it <= iters; ++it) {
     for (int row0 = 0; row0 < rows_pad; row0 += kPowTile) pow_compute_P<DMAX, RB>(Rs, row0, d, Bs, Ps);
     __syncthreads();
     float m[SLOTS];
@@ -323,16 +323,31 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterSmallKernel(PowerIterPar
     pow_accumulate<DMAX, RB>(Rs, Ps, 0, rows_pad, d, m, g);
     pow_store_M<DMAX, RB>(m, d, Ms);
     if (threadIdx.x < RB * RB) Gd[threadIdx.x] = (double)g;
-    pow_finalize<DType, RB>(Ms, Gd, Kd, Bs, d, r, it == p.iters, p.seed, Bout, Gtmp, &s_flag);
+    pow_finalize<OutT, RB>(Ms, Gd, Kd, Bs, d, r, it == iters, seed, Bout, Gtmp, &s_flag);
   }
   // Bs now holds W: A = X W.
   for (int row0 = 0; row0 < rows_pad; row0 += kPowTile) pow_compute_P<DMAX, RB>(Rs, row0, d, Bs, Ps);
   __syncthreads();
-  DType* A = static_cast<DType*>(p.A) + n * T * r;
   for (int idx = threadIdx.x; idx < T * r; idx += kPowThreads) {
     const int t = idx / r, c = idx - t * r;
-    A[idx] = from_float<DType>(Ps[t * kBStride + c]);
+    A[idx] = from_float<OutT>(Ps[t * kBStride + c]);
   }
+}
+
+template <typename DType, int DMAX, int RB>
+__global__ void __launch_bounds__(kPowThreads) PowerIterSmallKernel(PowerIterParams p,
+                                                                    int rows_pad) {
+  constexpr int STRIDE = PowerDims<DMAX>::STRIDE;
+  extern __shared__ float pow_smem[];
+  float* Rs = pow_smem;
+  float* Ps = pow_smem + (size_t)rows_pad * STRIDE;
+  const int64_t n = blockIdx.x, T = p.T;
+  const int d = (int)p.d, r = p.rank;
+  const DType* X = static_cast<const DType*>(p.x) + n * T * d;
+  pow_load_rows<DType, DMAX>(X, T, d, 0, rows_pad, Rs);
+  pow_small_run<DType, DMAX, RB>(Rs, Ps, rows_pad, T, d, r, p.iters, p.seed,
+                                 static_cast<DType*>(p.A) + n * T * r,
+                                 static_cast<DType*>(p.B) + n * d * r);
 }
 
 // ---------------------------------------------------------------------------
@@ -386,6 +401,139 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterPassKernel(PowerIterPara
     pow_store_M<DMAX, RB>(m, d, part);
     if (threadIdx.x < RB * RB) part[d * RB + threadIdx.x] = g;
   }
+}
+
+/// \brief Register-resident pass (16-bit inputs, d == DMAX): no shared-memory tile.
+/// Thread (row slot, seg) owns channels [8 seg, 8 seg + 8) of one row per step (one 16-byte
+/// load), keeps its 8 x RB slice of B~ and its 8 x RB slice of M in registers; P of the row
+/// is reduced over the SEGS = d / 8 lanes of the row with xor shuffles, lane seg < RB
+/// accumulates row seg of G.  Per element: RB FMAs for P, RB for M, ~log2(SEGS) * RB / 8
+/// shuffles; the shared-memory version spent ~10 shared-memory wavefronts per element and was
+/// bound by them.  End: M and G reduced over the row slots (shuffles, then warps in a fixed
+/// order through shared memory: deterministic), written as the same partials as
+/// PowerIterPassKernel.  it == 0: A = X W (lane seg < r writes column seg).
+template <typename DType, int DMAX, int RB>
+__global__ void __launch_bounds__(kPowThreads, 1) PowerIterPassRegKernel(PowerIterParams p, int it,
+                                                                      int64_t rows_per_split) {
+  static_assert(sizeof(DType) == 2, "16-bit inputs only");
+  constexpr int SEGS = DMAX / 8;             // lanes per row
+  constexpr int RPS = kPowThreads / SEGS;    // rows per step
+  constexpr int U = RB >= 8 ? 2 : 4;         // steps per batch (16-byte loads in flight)
+  constexpr int NWARPS = kPowThreads / 32;
+  __shared__ float Bs[DMAX * kBStride];
+  __shared__ double Gd[RB * RB], Kd[RB * RB];
+  __shared__ int s_flag;
+  __shared__ float red[DMAX * RB + RB * RB];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int seg = tid % SEGS, rsub = tid / SEGS;
+  const int64_t s = blockIdx.x, n = blockIdx.y, S = gridDim.x, N = p.N, T = p.T;
+  const int d = DMAX, r = p.rank;
+  const DType* X = static_cast<const DType*>(p.x) + n * T * d;
+  if (it == 1) {
+    pow_init_basis<RB>(Bs, d, RB, p.seed, Gd, Kd, &s_flag);  // ends with a barrier
+  } else {
+    const float* src = p.ws + (it == 0 ? N * d * RB : 0) + n * d * RB;
+    for (int idx = tid; idx < d * RB; idx += kPowThreads)
+      Bs[(idx / RB) * kBStride + idx % RB] = src[idx];
+    __syncthreads();
+  }
+  float bt[8][RB], m[8][RB], g[RB];
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+#pragma unroll
+    for (int c = 0; c < RB; ++c) {
+      bt[e][c] = Bs[(seg * 8 + e) * kBStride + c];
+      m[e][c] = 0.f;
+    }
+#pragma unroll
+  for (int c = 0; c < RB; ++c) g[c] = 0.f;
+  const int64_t t_begin = s * rows_per_split;
+  const int64_t t_end = t_begin + rows_per_split < T ? t_begin + rows_per_split : T;
+  DType* A = static_cast<DType*>(p.A) + n * T * r;
+  // Software pipeline: the next batch's U loads are in flight while this batch is processed.
+  PowVec<DType, 8> raw[U], nxt[U];
+  auto load_batch = [&](int64_t t0, PowVec<DType, 8>(&dst)[U]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t t = t0 + u * RPS + rsub;
+      if (t < t_end) {
+        dst[u] = *reinterpret_cast<const PowVec<DType, 8>*>(X + t * d + seg * 8);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dst[u].v[e] = from_float<DType>(0.f);
+      }
+    }
+  };
+  load_batch(t_begin, raw);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += RPS * U) {  // uniform trip count
+    if (t0 + RPS * U < t_end) load_batch(t0 + RPS * U, nxt);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float x[8], pc[RB];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = to_float(raw[u].v[e]);
+#pragma unroll
+      for (int c = 0; c < RB; ++c) {
+        float acc = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc = fmaf(x[e], bt[e][c], acc);
+        pc[c] = acc;
+      }
+#pragma unroll
+      for (int o = 1; o < SEGS; o <<= 1)
+#pragma unroll
+        for (int c = 0; c < RB; ++c) pc[c] += __shfl_xor_sync(kPowFullMask, pc[c], o);
+      float pa = 0.f;  // P[row][seg] (lanes seg < RB)
+#pragma unroll
+      for (int c = 0; c < RB; ++c)
+        if (c == seg) pa = pc[c];
+      if (it == 0) {
+        const int64_t t = t0 + u * RPS + rsub;
+        if (t < t_end && seg < r) A[t * r + seg] = from_float<DType>(pa);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+#pragma unroll
+          for (int c = 0; c < RB; ++c) m[e][c] = fmaf(x[e], pc[c], m[e][c]);
+#pragma unroll
+        for (int c = 0; c < RB; ++c) g[c] = fmaf(pa, pc[c], g[c]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) raw[u] = nxt[u];
+  }
+  if (it == 0) return;
+  // Reduce over the row slots: lanes with the same seg in a warp, then warps in order.
+#pragma unroll
+  for (int o = SEGS; o < 32; o <<= 1) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+#pragma unroll
+      for (int c = 0; c < RB; ++c) m[e][c] += __shfl_xor_sync(kPowFullMask, m[e][c], o);
+#pragma unroll
+    for (int c = 0; c < RB; ++c) g[c] += __shfl_xor_sync(kPowFullMask, g[c], o);
+  }
+  for (int w = 0; w < NWARPS; ++w) {
+    if (warp == w && lane < SEGS) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+#pragma unroll
+        for (int c = 0; c < RB; ++c) {
+          float* dst = red + (seg * 8 + e) * RB + c;
+          *dst = w == 0 ? m[e][c] : *dst + m[e][c];
+        }
+      if (seg < RB) {
+#pragma unroll
+        for (int c = 0; c < RB; ++c) {
+          float* dst = red + d * RB + seg * RB + c;
+          *dst = w == 0 ? g[c] : *dst + g[c];
+        }
+      }
+    }
+    __syncthreads();
+  }
+  float* part = p.ws + 2 * N * d * RB + (n * S + s) * (int64_t)(d * RB + RB * RB);
+  for (int idx = tid; idx < d * RB + RB * RB; idx += kPowThreads) part[idx] = red[idx];
 }
 
 template <typename DType, int DMAX, int RB>
@@ -455,11 +603,23 @@ cudaError_t PowerIter(const PowerIterParams& p, cudaStream_t stream) {
   const int64_t S = power_iter_splits(p.N, p.T);
   const int64_t rps = ((p.T + S - 1) / S + kPowTile - 1) / kPowTile * kPowTile;
   const dim3 grid((unsigned)S, (unsigned)p.N);
-  for (int it = 1; it <= p.iters; ++it) {
+  // 16-bit inputs with d == DMAX (64 / 128 / 256: GEAR residuals): register-resident passes.
+  constexpr bool kReg = sizeof(DType) == 2;
+  const bool reg = kReg && p.d == DMAX;
+  auto pass = [&](int it) {
+    if constexpr (kReg) {
+      if (reg) {
+        PowerIterPassRegKernel<DType, DMAX, RB><<<grid, kPowThreads, 0, stream>>>(p, it, rps);
+        return;
+      }
+    }
     PowerIterPassKernel<DType, DMAX, RB><<<grid, kPowThreads, 0, stream>>>(p, it, rps);
+  };
+  for (int it = 1; it <= p.iters; ++it) {
+    pass(it);
     PowerIterFinalizeKernel<DType, DMAX, RB><<<(unsigned)p.N, kPowThreads, 0, stream>>>(p, it, S);
   }
-  PowerIterPassKernel<DType, DMAX, RB><<<grid, kPowThreads, 0, stream>>>(p, 0, rps);
+  pass(0);
   return cudaGetLastError();
 }
 

@@ -235,6 +235,36 @@ __global__ void OutlierKeysTransposeKernel(OutlierSelectParams p) {
   }
 }
 
+/// \brief 16-bit dtypes, L <= 65536: the same transpose writing 16-bit order keys
+/// (orderable_key16 of the raw bits) into keys_ws viewed as uint16_t -- half the workspace
+/// traffic, and the composite key (value, -index) fits in 32 bits.
+template <typename DType>
+__global__ void OutlierKeysTranspose16Kernel(OutlierSelectParams p) {
+  __shared__ uint16_t tile[32][34];
+  const DType* x = static_cast<const DType*>(p.x);
+  uint16_t* keys = reinterpret_cast<uint16_t*>(p.keys_ws);
+  const int64_t n = blockIdx.z, c0 = (int64_t)blockIdx.x * 32, t0 = (int64_t)blockIdx.y * 32;
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t t = t0 + i, c = c0 + threadIdx.x;
+    if (t < p.T && c < p.D) tile[i][threadIdx.x] = (uint16_t)orderable_key16(x[(n * p.T + t) * p.D + c].bits);
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t c = c0 + i, t = t0 + threadIdx.x;
+    if (c < p.D && t < p.T) keys[(n * p.D + c) * p.T + t] = tile[threadIdx.x][i];
+  }
+}
+
+template <typename DType>
+__global__ void OutlierKeys16Kernel(OutlierSelectParams p) {
+  const DType* x = static_cast<const DType*>(p.x);
+  uint16_t* keys = reinterpret_cast<uint16_t*>(p.keys_ws);
+  const int64_t total = p.N * p.T * p.D;
+  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
+       i += (int64_t)gridDim.x * blockDim.x)
+    keys[i] = (uint16_t)orderable_key16(x[i].bits);
+}
+
 /// \brief Value tokens longer than 256: keys in the same (already contiguous) layout.
 template <typename DType>
 __global__ void OutlierKeysKernel(OutlierSelectParams p) {
@@ -245,15 +275,58 @@ __global__ void OutlierKeysKernel(OutlierSelectParams p) {
     p.keys_ws[i] = orderable_key(to_float(x[i]));
 }
 
+/// \brief Composite keys of the radix path: K16 = 16-bit order keys (fp16 / bf16 with
+/// L <= 65536) and 32-bit composites (value16 << 16 | 0xffff - j), else 32-bit float order
+/// keys and 64-bit composites.  Same total order either way (value, then smaller index).
+template <typename DType, bool K16>
+struct RadixKeys;
+template <typename DType>
+struct RadixKeys<DType, true> {
+  using CK = uint32_t;
+  static constexpr int BITS = 32;
+  const uint16_t* k;
+  __device__ __forceinline__ uint32_t load(int64_t j) const { return k[j]; }
+  __device__ __forceinline__ static CK composite(uint32_t kv, uint32_t j) {
+    return (kv << 16) | (0xffffu - j);
+  }
+  __device__ __forceinline__ static DType value(uint32_t kv) {
+    DType v;
+    v.bits = key16_to_bits(kv);
+    return v;
+  }
+  __device__ __forceinline__ static float bound(uint32_t kv) { return to_float(value(kv)); }
+};
+template <typename DType>
+struct RadixKeys<DType, false> {
+  using CK = uint64_t;
+  static constexpr int BITS = 64;
+  const uint32_t* k;
+  __device__ __forceinline__ uint32_t load(int64_t j) const { return k[j]; }
+  __device__ __forceinline__ static CK composite(uint32_t kv, uint32_t j) {
+    return composite_key(kv, j);
+  }
+  __device__ __forceinline__ static DType value(uint32_t kv) {
+    return from_float<DType>(key_to_float(kv));
+  }
+  __device__ __forceinline__ static float bound(uint32_t kv) { return key_to_float(kv); }
+};
+
 /// \brief Radix path: one block of 256 threads per vector (keys contiguous in keys_ws).
-template <typename DType, typename IdType>
+template <typename DType, typename IdType, bool K16>
 __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectParams p) {
   constexpr int THREADS = 256;
+  using RK = RadixKeys<DType, K16>;
+  using CK = typename RK::CK;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t vv = blockIdx.x;
   const int64_t L = vector_length(p), k = p.k;
   const int64_t kt = (L >= 2 * k + 1) ? k + 1 : k;  // >= 1 (k >= 1 here)
-  const uint32_t* keys = p.keys_ws + vv * L;
+  RK keys;
+  if constexpr (K16) {
+    keys.k = reinterpret_cast<const uint16_t*>(p.keys_ws) + vv * L;
+  } else {
+    keys.k = p.keys_ws + vv * L;
+  }
   __shared__ int hist[2][256];
   __shared__ unsigned long long s_prefix[2];
   __shared__ int s_shift[2];
@@ -261,7 +334,7 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
   __shared__ int s_done[2];
   if (tid < 2) {
     s_prefix[tid] = 0;
-    s_shift[tid] = 64;
+    s_shift[tid] = RK::BITS;
     s_need[tid] = kt;
     s_done[tid] = 0;
   }
@@ -278,17 +351,17 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
     // digit are aggregated (__match_any_sync) into one shared atomic by a leader lane.
     for (int64_t j0 = 0; j0 < L; j0 += THREADS) {  // uniform trip count: whole warps
       const int64_t j = j0 + tid;
-      uint64_t ck = 0;
-      if (j < L) ck = composite_key(keys[j], (uint32_t)j);
-      const bool inT = j < L && !dT && (shT == 64 || (ck >> shT) == pT);
-      const bool inB = j < L && !dB && (shB == 64 || (ck >> shB) == pB);
+      CK ck = 0;
+      if (j < L) ck = RK::composite(keys.load(j), (uint32_t)j);
+      const bool inT = j < L && !dT && (shT == RK::BITS || (uint64_t)(ck >> (shT & (RK::BITS - 1))) == pT);
+      const bool inB = j < L && !dB && (shB == RK::BITS || (uint64_t)(ck >> (shB & (RK::BITS - 1))) == pB);
       const unsigned mT = __ballot_sync(kSelFullMask, inT), mB = __ballot_sync(kSelFullMask, inB);
       if (inT) {
         const unsigned dg = (unsigned)(ck >> (shT - 8)) & 255u;
         const unsigned peers = __match_any_sync(mT, dg);
         if (lane == __ffs(peers) - 1) atomicAdd(&hist[0][dg], __popc(peers));
       }
-      if (inB) {
+      if (inB && pass > 0) {  // pass 0: both sides see every entry, one histogram serves
         const unsigned dg = (unsigned)(ck >> (shB - 8)) & 255u;
         const unsigned peers = __match_any_sync(mB, dg);
         if (lane == __ffs(peers) - 1) atomicAdd(&hist[1][dg], __popc(peers));
@@ -305,7 +378,7 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const int o = 8 * lane + e;
-        cnt[e] = hist[side][desc ? 255 - o : o];
+        cnt[e] = hist[pass == 0 ? 0 : side][desc ? 255 - o : o];
         s += cnt[e];
       }
       int incl = s;
@@ -353,14 +426,14 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
   const int64_t jb = tid * C, je = jb + C < L ? jb + C : L;
   uint64_t cnt = 0;  // top count | bottom count << 32
   for (int64_t j = jb; j < je; ++j) {
-    const uint32_t kv = keys[j];
-    const uint64_t ck = composite_key(kv, (uint32_t)j);
-    const uint64_t a = ck >> ST, b = ck >> SB;
+    const uint32_t kv = keys.load(j);
+    const CK ck = RK::composite(kv, (uint32_t)j);
+    const uint64_t a = (uint64_t)(ck >> ST), b = (uint64_t)(ck >> SB);
     cnt += (inl ? a > PT : a >= PT) ? 1ull : 0ull;
     cnt += (inl ? b < PB : b <= PB) ? (1ull << 32) : 0ull;
     if (inl && p.bounds) {
-      if (a == PT) p.bounds[vv * 2 + 1] = key_to_float(kv);
-      if (b == PB) p.bounds[vv * 2] = key_to_float(kv);
+      if (a == PT) p.bounds[vv * 2 + 1] = RK::bound(kv);
+      if (b == PB) p.bounds[vv * 2] = RK::bound(kv);
     }
   }
   uint64_t incl = cnt;
@@ -380,17 +453,17 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
   int64_t pb = base + k + (int64_t)(excl >> 32);
   if (cnt != 0) {
     for (int64_t j = jb; j < je; ++j) {
-      const uint32_t kv = keys[j];
-      const uint64_t ck = composite_key(kv, (uint32_t)j);
-      const uint64_t a = ck >> ST, b = ck >> SB;
+      const uint32_t kv = keys.load(j);
+      const CK ck = RK::composite(kv, (uint32_t)j);
+      const uint64_t a = (uint64_t)(ck >> ST), b = (uint64_t)(ck >> SB);
       const bool ft = inl ? a > PT : a >= PT;
       const bool fb = inl ? b < PB : b <= PB;
       if (ft) {
-        values[pt] = from_float<DType>(key_to_float(kv));
+        values[pt] = RK::value(kv);
         indices[pt++] = (IdType)j;
       }
       if (fb) {
-        values[pb] = from_float<DType>(key_to_float(kv));
+        values[pb] = RK::value(kv);
         indices[pb++] = (IdType)j;
       }
     }
@@ -418,19 +491,33 @@ cudaError_t OutlierSelect(const OutlierSelectParams& p, cudaStream_t stream) {
     return cudaGetLastError();
   }
   if (p.keys_ws == nullptr) return cudaErrorInvalidValue;
-  if (p.per_channel) {
-    if (p.N > 65535) return cudaErrorInvalidConfiguration;
-    dim3 grid((unsigned)((p.D + 31) / 32), (unsigned)((p.T + 31) / 32), (unsigned)p.N);
-    OutlierKeysTransposeKernel<DType><<<grid, dim3(32, 8), 0, stream>>>(p);
-  } else {
-    const int64_t total = p.N * p.T * p.D;
-    int64_t blocks = (total + 255) / 256;
-    if (blocks > 65536) blocks = 65536;
-    OutlierKeysKernel<DType><<<(unsigned)blocks, 256, 0, stream>>>(p);
+  // 16-bit dtypes with L <= 65536: 16-bit keys, 32-bit composites (the value is resolved
+  // after 2 radix passes instead of 3, half the key bytes); else 32-bit float keys.
+  const bool k16 = sizeof(DType) == 2 && L <= 65536;
+  const int64_t total = p.N * p.T * p.D;
+  int64_t blocks = (total + 255) / 256;
+  if (blocks > 65536) blocks = 65536;
+  if (p.per_channel && p.N > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 tgrid((unsigned)((p.D + 31) / 32), (unsigned)((p.T + 31) / 32), (unsigned)p.N);
+  if constexpr (sizeof(DType) == 2) {
+    if (k16) {
+      if (p.per_channel)
+        OutlierKeysTranspose16Kernel<DType><<<tgrid, dim3(32, 8), 0, stream>>>(p);
+      else
+        OutlierKeys16Kernel<DType><<<(unsigned)blocks, 256, 0, stream>>>(p);
+      cudaError_t err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+      OutlierSelectRadixKernel<DType, IdType, true><<<(unsigned)nvec, 256, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
   }
+  if (p.per_channel)
+    OutlierKeysTransposeKernel<DType><<<tgrid, dim3(32, 8), 0, stream>>>(p);
+  else
+    OutlierKeysKernel<DType><<<(unsigned)blocks, 256, 0, stream>>>(p);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  OutlierSelectRadixKernel<DType, IdType><<<(unsigned)nvec, 256, 0, stream>>>(p);
+  OutlierSelectRadixKernel<DType, IdType, false><<<(unsigned)nvec, 256, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
