@@ -526,9 +526,30 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
             if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
             dlt = val - khat;
           }
-          warp_serialize_conflicts(active, tl, lane, [&] {
-            for (int hh = 0; hh < g; ++hh) s_corr[tl * 8 + hh] += s_q[hh * D + ch] * dlt;
-          });
+          // entries come sorted by token: a segmented warp sum per head, then the last lane of
+          // each token's run adds it (one plain update per token and round, no collisions)
+          const int tkey = active ? tl : 64 + lane;
+          const int prev = __shfl_up_sync(0xffffffffu, tkey, 1), next = __shfl_down_sync(0xffffffffu, tkey, 1);
+          const unsigned heads = __ballot_sync(0xffffffffu, lane == 0 || prev != tkey);  // run starts
+          const int start = 31 - __clz(heads & (0xffffffffu >> (31 - lane)));           // my run's first lane
+          const bool tail = active && (lane == 31 || next != tkey);
+          float sum[8];
+#pragma unroll
+          for (int hh = 0; hh < 8; ++hh) {
+            float v = (hh < g && active) ? s_q[hh * D + ch] * dlt : 0.f;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+              const float u = __shfl_up_sync(0xffffffffu, v, o);
+              if (lane - o >= start) v += u;
+            }
+            sum[hh] = v;
+          }
+          if (tail) {
+#pragma unroll
+            for (int hh = 0; hh < 8; ++hh)
+              if (hh < g) s_corr[tl * 8 + hh] += sum[hh];
+          }
+          __syncwarp();
         };
 #pragma unroll
         for (int m = 0; m < KE; ++m)
@@ -666,7 +687,9 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           if (vg.r > 0) vhat += gear_lr(s_va, tl, vg.Bf, ch, vg.r);
           const float dlt = to_float(ov[j]) - vhat;
           warp_serialize_conflicts(true, ch, lane, [&] {
-            for (int hh = 0; hh < g; ++hh) s_oc[hh * D + ch] += s_pf[tl * 8 + hh] * dlt;
+#pragma unroll
+            for (int hh = 0; hh < 8; ++hh)
+              if (hh < g) s_oc[hh * D + ch] += s_pf[tl * 8 + hh] * dlt;
           });
         }
       }
