@@ -371,8 +371,10 @@ __global__ void __launch_bounds__(256) OutlierSelectRadixKernel(OutlierSelectPar
     if (warp < 2 && !(warp == 0 ? dT : dB)) {
       const int side = warp;
       const bool desc = side == 0;  // top: scan digits from 255 down
-      // NOTE: read before the shuffles below, which order it before the winner's write.
+      // every lane reads s_need before the winning lane rewrites it (racecheck on the H200
+      // flagged the read/write pair when only the shuffles below ordered them)
       const int64_t need = s_need[side];
+      __syncwarp();
       int cnt[8];
       int s = 0;
 #pragma unroll
