@@ -97,21 +97,8 @@ DecodeAttentionCall prepare_decode_attention(const at::Tensor& q_in, const at::T
   KVQ_CHECK(T == p.v.Tq + p.v.Tr, "kvq.", kOp, ": keys hold ", T, " tokens but values hold ",
               p.v.Tq + p.v.Tr);
   KVQ_CHECK(T > 0, "kvq.", kOp, ": the cache layer is empty (T = 0)");
-  if (mask.has_value() && mask->defined()) {
-    CHECK_DIM(kOp, *mask, "mask", 2);
-    CHECK_SAME_DEVICE(kOp, c.q, "q", *mask, "mask");
-    KVQ_CHECK_ARG(mask->size(0) == B && mask->size(1) == T, kOp, "mask", "must be [B=", B, ", T=", T, "], got ",
-                  mask->sizes());
-    c.mask = mask->to(at::kByte).contiguous();
-    p.mask = c.mask.data_ptr<uint8_t>();
-    p.mask_sb = T;
-  }
-  c.out = at::empty_like(c.q);
-  p.q = c.q.data_ptr();
-  p.out = c.out.data_ptr();
-  p.B = B, p.H = H, p.Hq = Hq, p.D = D, p.T = T;
+  finish_decode_attention_call(kOp, c, mask, B, H, Hq, D, T, scale);
   p.dtype_bytes = (int)c.q.element_size();
-  p.scale = (float)scale;
   return c;
 }
 

@@ -108,20 +108,7 @@ HqmqAttentionCall prepare_decode_attention_hqmq(
   p.v.outliers = c.v_rec.numel() ? c.v_rec.data_ptr<int32_t>() : nullptr;
   p.k.outlier_ptr = c.k_ptr.numel() ? c.k_ptr.data_ptr<int64_t>() : nullptr;
   p.v.outlier_ptr = c.v_ptr.numel() ? c.v_ptr.data_ptr<int64_t>() : nullptr;
-  if (mask.has_value() && mask->defined()) {
-    CHECK_DIM(kOp, *mask, "mask", 2);
-    CHECK_SAME_DEVICE(kOp, c.q, "q", *mask, "mask");
-    KVQ_CHECK_ARG(mask->size(0) == B && mask->size(1) == T, kOp, "mask", "must be [B=", B, ", T=", T, "], got ",
-                  mask->sizes());
-    c.mask = mask->to(at::kByte).contiguous();
-    p.mask = c.mask.data_ptr<uint8_t>();
-    p.mask_sb = T;
-  }
-  c.out = at::empty_like(c.q);
-  p.q = c.q.data_ptr();
-  p.out = c.out.data_ptr();
-  p.B = B, p.H = H, p.Hq = Hq, p.D = D, p.T = T;
-  p.scale = (float)scale;
+  finish_decode_attention_call(kOp, c, mask, B, H, Hq, D, T, scale);
   return c;
 }
 

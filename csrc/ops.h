@@ -11,6 +11,7 @@
 #include "kvq/quant/group_quant.h"
 #include "kvq/select/outlier_topk.h"
 #include "kvq/vq/quaternion_vq.h"
+#include "utils.h"
 
 namespace kvq {
 
@@ -176,6 +177,28 @@ at::Tensor decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS);
 #endif
 
 // ----- decode attention over HQMQ caches (csrc/decode_attention_hqmq.cpp) -----
+/// \brief Shared tail of the decode-attention argument checks: validates and attaches the
+/// optional [B, T] mask, allocates the output and fills the common params fields.
+template <typename Call>
+void finish_decode_attention_call(const char* op, Call& c, const std::optional<at::Tensor>& mask, int64_t B,
+                                  int64_t H, int64_t Hq, int64_t D, int64_t T, double scale) {
+  auto& p = c.params;
+  if (mask.has_value() && mask->defined()) {
+    CHECK_DIM(op, *mask, "mask", 2);
+    CHECK_SAME_DEVICE(op, c.q, "q", *mask, "mask");
+    KVQ_CHECK_ARG(mask->size(0) == B && mask->size(1) == T, op, "mask", "must be [B=", B, ", T=", T, "], got ",
+                  mask->sizes());
+    c.mask = mask->to(at::kByte).contiguous();
+    p.mask = c.mask.template data_ptr<uint8_t>();
+    p.mask_sb = T;
+  }
+  c.out = at::empty_like(c.q);
+  p.q = c.q.data_ptr();
+  p.out = c.out.data_ptr();
+  p.B = B, p.H = H, p.Hq = Hq, p.D = D, p.T = T;
+  p.scale = (float)scale;
+}
+
 struct HqmqAttentionCall {
   at::Tensor q, out, mask, ws, k_sec, v_sec, k_rec, v_rec, k_ptr, v_ptr;
   attention::HqmqAttnParams params;

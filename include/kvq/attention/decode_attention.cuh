@@ -263,6 +263,53 @@ __device__ __forceinline__ uint32_t gear_pair(const uint16_t* a, int row, int j,
   return lo | (hi << 16);
 }
 
+/// \brief Online-softmax step of one 32-token tile of scores in the mma C layout (lane (i, c):
+/// tokens i, i + 8 of m-tiles 0, 1; heads 2c (e even) and 2c + 1 (e odd), log2 domain).
+/// Applies the mask row (nullptr: none), updates the running max m and sum l of the lane's two
+/// heads, turns sc into p = 2^(s - m) and returns the factors al* that rescale older
+/// accumulators.
+__device__ __forceinline__ void tile_online_softmax(float (&sc)[2][4], const uint8_t* mrow, int i, float& mA,
+                                                    float& mB, float& lA, float& lB, float& alA, float& alB) {
+  if (mrow != nullptr) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (mrow[16 * mt + i + 8 * (e >> 1)] == 0) sc[mt][e] = -INFINITY;
+  }
+  float xA = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2]));
+  float xB = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]));
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+    xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, o));
+    xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, o));
+  }
+  const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
+  alA = nA == -INFINITY ? 1.f : exp2f(mA - nA), alB = nB == -INFINITY ? 1.f : exp2f(mB - nB);
+  mA = nA, mB = nB;
+  const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;  // exp2(-inf - u) = 0
+  float psA = 0.f, psB = 0.f;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      sc[mt][e] = exp2f(sc[mt][e] - ((e & 1) ? uB : uA));
+      if (e & 1) psB += sc[mt][e]; else psA += sc[mt][e];
+    }
+  lA = lA * alA + psA;
+  lB = lB * alB + psB;
+}
+
+/// \brief P^T B-fragments of a tile's probabilities: pt[kst][0] = tokens 16kst + 0..7,
+/// pt[kst][1] = tokens 16kst + 8..15 (lane (i, c): head i, tokens 2c, 2c + 1).
+__device__ __forceinline__ void tile_pt_fragments(const float (&sc)[2][4], uint32_t (&pt)[2][2]) {
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    pt[mt][0] = movmatrix_trans(pack_half2(sc[mt][0], sc[mt][1]));
+    pt[mt][1] = movmatrix_trans(pack_half2(sc[mt][2], sc[mt][3]));
+  }
+}
+
 template <typename DType, int D, int BITS, bool KPC, bool GEAR>
 __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
                          int64_t t_end, int warp, float* slot, char* ring, char* gscr, const float* s_q) {
@@ -565,35 +612,8 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           for (int e = 0; e < 4; ++e) sc[mt][e] += s_corr[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)] * sl;
       }
     }
-    if (p.mask != nullptr) {
-      const uint8_t* mrow = p.mask + b * p.mask_sb + t0;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (mrow[16 * mt + i + 8 * (e >> 1)] == 0) sc[mt][e] = -INFINITY;
-    }
-    float xA = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2]));
-    float xB = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]));
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, o));
-      xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, o));
-    }
-    const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
-    const float alA = nA == -INFINITY ? 1.f : exp2f(mA - nA), alB = nB == -INFINITY ? 1.f : exp2f(mB - nB);
-    mA = nA, mB = nB;
-    const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;  // exp2(-inf - u) = 0
-    float psA = 0.f, psB = 0.f;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sc[mt][e] = exp2f(sc[mt][e] - ((e & 1) ? uB : uA));
-        if (e & 1) psB += sc[mt][e]; else psA += sc[mt][e];
-      }
-    lA = lA * alA + psA;
-    lB = lB * alB + psB;
+    float alA, alB;
+    tile_online_softmax(sc, p.mask != nullptr ? p.mask + b * p.mask_sb + t0 : nullptr, i, mA, mB, lA, lB, alA, alB);
     if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {  // a running max moved
 #pragma unroll
       for (int n = 0; n < MV; ++n) acc[n][0] *= alA, acc[n][1] *= alB, acc[n][2] *= alA, acc[n][3] *= alB;
@@ -614,13 +634,8 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           for (int e = 0; e < 4; ++e) s_pf[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)] = sc[mt][e];
       }
     }
-    // P^T B-fragments: pt[kst][0] = tokens 16kst + 0..7, pt[kst][1] = tokens 16kst + 8..15
     uint32_t pt[2][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      pt[mt][0] = movmatrix_trans(pack_half2(sc[mt][0], sc[mt][1]));
-      pt[mt][1] = movmatrix_trans(pack_half2(sc[mt][2], sc[mt][3]));
-    }
+    tile_pt_fragments(sc, pt);
 
     // ---------------- O^T += V^T P^T over 2 k-steps of 16 tokens ----------------
 #pragma unroll

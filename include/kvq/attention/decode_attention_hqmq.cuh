@@ -355,45 +355,14 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[mt][e] *= sl;
-    if (p.mask != nullptr) {
-      const uint8_t* mrow = p.mask + b * p.mask_sb + t0;
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (mrow[16 * mt + i + 8 * (e >> 1)] == 0) sc[mt][e] = -INFINITY;
-    }
-    float xA = fmaxf(fmaxf(sc[0][0], sc[0][2]), fmaxf(sc[1][0], sc[1][2]));
-    float xB = fmaxf(fmaxf(sc[0][1], sc[0][3]), fmaxf(sc[1][1], sc[1][3]));
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-      xA = fmaxf(xA, __shfl_xor_sync(0xffffffffu, xA, o));
-      xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, o));
-    }
-    const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
-    const float alA = nA == -INFINITY ? 1.f : exp2f(mA - nA), alB = nB == -INFINITY ? 1.f : exp2f(mB - nB);
-    mA = nA, mB = nB;
-    const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;  // exp2(-inf - u) = 0
-    float psA = 0.f, psB = 0.f;
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        sc[mt][e] = exp2f(sc[mt][e] - ((e & 1) ? uB : uA));
-        if (e & 1) psB += sc[mt][e]; else psA += sc[mt][e];
-      }
-    lA = lA * alA + psA;
-    lB = lB * alB + psB;
+    float alA, alB;
+    tile_online_softmax(sc, p.mask != nullptr ? p.mask + b * p.mask_sb + t0 : nullptr, i, mA, mB, lA, lB, alA, alB);
     if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {  // a running max moved
 #pragma unroll
       for (int mv = 0; mv < MV; ++mv) acc[mv][0] *= alA, acc[mv][1] *= alB, acc[mv][2] *= alA, acc[mv][3] *= alB;
     }
     uint32_t pt[2][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      pt[mt][0] = movmatrix_trans(pack_half2(sc[mt][0], sc[mt][1]));
-      pt[mt][1] = movmatrix_trans(pack_half2(sc[mt][2], sc[mt][3]));
-    }
+    tile_pt_fragments(sc, pt);
 
     // ---------------- O^T += V^T P^T over 2 k-steps of 16 tokens ----------------
     // Lane (i, c) needs chunk 4 mv + i / 2 of tokens 2c, 2c+1 (A regs 0, 1) and 2c+8, 2c+9
