@@ -83,14 +83,7 @@ HqmqAttentionCall prepare_decode_attention_hqmq(
   CHECK_DIM(kOp, q_in, "q", 3);
   HqmqAttentionCall c;
   c.q = contiguous_aligned(q_in);
-  const int64_t B = c.q.size(0), Hq = c.q.size(1), D = c.q.size(2);
-  KVQ_CHECK_ARG(D == 32 || D == 64 || D == 128 || D == 256, kOp, "q", "head dim must be 32, 64, 128 or 256, got ", D);
-  CHECK_DIM(kOp, k_codes, "k_codes", 4);
-  const int64_t H = k_codes.size(1);
-  KVQ_CHECK_ARG(H > 0 && Hq % H == 0, kOp, "q", "has ", Hq, " heads, which is not a multiple of the cache's ", H,
-                " KV heads");
-  KVQ_CHECK_ARG(Hq / H <= 16, kOp, "q", "has ", Hq / H, " query heads per KV head; at most 16 are supported "
-                "per call (split the query heads)");
+  const auto [B, Hq, D, H] = check_decode_attention_q(kOp, c.q, k_codes);
   KVQ_CHECK_ARG(B * H < ((int64_t)1 << 23), kOp, "k_codes", "has too many rows (B*H must be < 2^23)");
   auto& p = c.params;
   // contiguous copies of the small tensors (secondary, records, index); codes/scale are read

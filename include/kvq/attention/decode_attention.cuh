@@ -300,6 +300,22 @@ __device__ __forceinline__ void tile_online_softmax(float (&sc)[2][4], const uin
   lB = lB * alB + psB;
 }
 
+/// \brief End of a warp's tiles: reduce the running sums l over the 8 lanes sharing c and
+/// store (m, l) of heads 2c, 2c + 1 at the head of their rows of the warp's slot [g][D + 2]
+/// (the accumulators go to columns 2.. by the caller's channel map).
+__device__ __forceinline__ void warp_store_ml(float* slot, int D, int g, int i, int c, float mA, float mB, float lA,
+                                              float lB) {
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) {
+    lA += __shfl_xor_sync(0xffffffffu, lA, o);
+    lB += __shfl_xor_sync(0xffffffffu, lB, o);
+  }
+  if (i == 0) {
+    if (2 * c < g) slot[(2 * c) * (D + 2)] = mA, slot[(2 * c) * (D + 2) + 1] = lA;
+    if (2 * c + 1 < g) slot[(2 * c + 1) * (D + 2)] = mB, slot[(2 * c + 1) * (D + 2) + 1] = lB;
+  }
+}
+
 /// \brief P^T B-fragments of a tile's probabilities: pt[kst][0] = tokens 16kst + 0..7,
 /// pt[kst][1] = tokens 16kst + 8..15 (lane (i, c): head i, tokens 2c, 2c + 1).
 __device__ __forceinline__ void tile_pt_fragments(const float (&sc)[2][4], uint32_t (&pt)[2][2]) {
@@ -729,12 +745,8 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   }
   cp_async_wait<0>();  // only empty groups remain; drain before the ring is reused
   __syncwarp();
-  // ---- reduce l over the 8 lanes sharing c, write this warp's partial ----
-#pragma unroll
-  for (int o = 4; o < 32; o <<= 1) {
-    lA += __shfl_xor_sync(0xffffffffu, lA, o);
-    lB += __shfl_xor_sync(0xffffffffu, lB, o);
-  }
+  // ---- this warp's partial: (m, l), then the accumulators in its channel order ----
+  warp_store_ml(slot, D, g, i, c, mA, mB, lA, lB);
 #pragma unroll
   for (int pp = 0; pp < MV; ++pp) {
 #pragma unroll
@@ -745,10 +757,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       const int ch = (pair / PK::PO) * PK::CPW + pair % PK::PO + (e >> 1) * PK::PO;
       slot[head * (D + 2) + 2 + ch] = acc[pp][e];
     }
-  }
-  if (i == 0) {
-    if (2 * c < g) slot[(2 * c) * (D + 2)] = mA, slot[(2 * c) * (D + 2) + 1] = lA;
-    if (2 * c + 1 < g) slot[(2 * c + 1) * (D + 2)] = mB, slot[(2 * c + 1) * (D + 2) + 1] = lB;
   }
   if constexpr (GEAR) {  // the value outlier corrections (same running max as acc)
     __syncwarp();

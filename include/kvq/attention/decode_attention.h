@@ -73,13 +73,11 @@ KVQ_HOST_DEVICE int64_t gear_index(const void* oi, int ibytes, int64_t off) {
                                    : (int64_t) static_cast<const int32_t*>(oi)[off];
 }
 /// A[t] . B[c] of segment s (token t within the segment, block `blk` of segment 1).
-KVQ_HOST_DEVICE float gear_lowrank(const GearSeg& s, int64_t b, int64_t h, int64_t t, int64_t blk, int64_t c,
-                                   int64_t D) {
+KVQ_HOST_DEVICE float gear_lowrank(const GearSeg& s, int64_t b, int64_t h, int64_t t, int64_t blk, int64_t c) {
   const uint16_t* a = s.A + b * s.A_sb + h * s.A_sh + t * s.r;
   const uint16_t* bf = s.Bf + b * s.B_sb + h * s.B_sh + blk * s.B_sblk + c * s.r;
   float acc = 0.f;
   for (int j = 0; j < s.r; ++j) acc += half_bits_to_float(a[j]) * half_bits_to_float(bf[j]);
-  (void)D;
   return acc;
 }
 
@@ -126,7 +124,7 @@ template <typename DType>
 void gear_entries_cpu(const DecodeAttnParams& p, const GearKV& g, bool keys, int64_t b, int64_t h,
                       std::vector<GearEntry>& out) {
   out.clear();
-  const int64_t D = p.D, T0 = p.gear_t0, nb = p.gear_nb;
+  const int64_t T0 = p.gear_t0, nb = p.gear_nb;
   const int64_t Tq = keys ? p.k.Tq : p.v.Tq;
   for (int sgi = 0; sgi < 2; ++sgi) {
     const GearSeg& s = g.seg[sgi];
@@ -184,7 +182,7 @@ void decode_attention_cpu(const DecodeAttnParams& p, int64_t b, int64_t h, std::
         const GearSeg& sg = gs.seg[sgi];
         const int64_t ts = sgi == 0 ? t : t - p.gear_t0;
         if (sg.r > 0)
-          for (int64_t c = 0; c < D; ++c) xt[c] += gear_lowrank(sg, b, h, ts, sgi == 0 ? 0 : ts / p.gear_nb, c, D);
+          for (int64_t c = 0; c < D; ++c) xt[c] += gear_lowrank(sg, b, h, ts, sgi == 0 ? 0 : ts / p.gear_nb, c);
         while (cursor < entries.size() && entries[cursor].t < t) ++cursor;
         for (; cursor < entries.size() && entries[cursor].t == t; ++cursor) xt[entries[cursor].c] = entries[cursor].v;
       }

@@ -444,12 +444,8 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
   }
   cp_async_wait<0>();
   __syncwarp();
-  // ---- reduce l over the 8 lanes sharing c, write this warp's partial ----
-#pragma unroll
-  for (int o = 4; o < 32; o <<= 1) {
-    lA += __shfl_xor_sync(0xffffffffu, lA, o);
-    lB += __shfl_xor_sync(0xffffffffu, lB, o);
-  }
+  // ---- this warp's partial: (m, l), then the accumulators in its channel order ----
+  warp_store_ml(slot, D, g, i, c, mA, mB, lA, lB);
 #pragma unroll
   for (int mv = 0; mv < MV; ++mv) {
 #pragma unroll
@@ -459,10 +455,6 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
       const int ch = 4 * (4 * mv + (i >> 1)) + (i & 1) + 2 * (e >> 1);
       slot[head * (D + 2) + 2 + ch] = acc[mv][e];
     }
-  }
-  if (i == 0) {
-    if (2 * c < g) slot[(2 * c) * (D + 2)] = mA, slot[(2 * c) * (D + 2) + 1] = lA;
-    if (2 * c + 1 < g) slot[(2 * c + 1) * (D + 2)] = mB, slot[(2 * c + 1) * (D + 2) + 1] = lB;
   }
   __syncwarp();
 }
