@@ -24,7 +24,7 @@
 #include "kvq/gear/gear.h"
 #include "kvq/linalg/power_svd.cuh"
 #include "kvq/quant/group_quant.h"
-#include "kvq/select/outlier_topk.h"
+#include "kvq/select/outlier_topk.cuh"
 
 namespace kvq {
 namespace gear {
@@ -100,42 +100,7 @@ __global__ void __launch_bounds__(kGearSmallThreads, 1) GearCompressSmallKernel(
       }
       unsigned topm = 0, botm = 0;
       uint64_t hi_key = 0, lo_key = 0;
-      for (int64_t round = 0; round < kt; ++round) {
-        uint64_t best = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (((valid & ~topm) >> i) & 1u) best = key[i] > best ? key[i] : best;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const uint64_t other = __shfl_xor_sync(FULL, best, o);
-          best = other > best ? other : best;
-        }
-        if (round < k) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            if (((valid >> i) & 1u) && key[i] == best) topm |= 1u << i;
-        } else {
-          hi_key = best;
-        }
-      }
-      for (int64_t round = 0; round < kt; ++round) {
-        uint64_t best = ~0ull;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          if (((valid & ~botm) >> i) & 1u) best = key[i] < best ? key[i] : best;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-          const uint64_t other = __shfl_xor_sync(FULL, best, o);
-          best = other < best ? other : best;
-        }
-        if (round < k) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i)
-            if (((valid >> i) & 1u) && key[i] == best) botm |= 1u << i;
-        } else {
-          lo_key = best;
-        }
-      }
+      select::warp_select_rounds<8>(key, valid, k, L, topm, botm, hi_key, lo_key);
       const int64_t base = (n * V + v) * 2 * k;
       int pos_t = 0, pos_b = 0;
       const unsigned below = (1u << lane) - 1u;

@@ -31,6 +31,64 @@ __device__ __forceinline__ float load_elem(const DType* x, const OutlierSelectPa
   return to_float(x[off]);
 }
 
+/// Warp-wide max / min of a composite key (one instruction for 32-bit keys).
+__device__ __forceinline__ uint32_t warp_max_key(uint32_t x) { return __reduce_max_sync(kSelFullMask, x); }
+__device__ __forceinline__ uint32_t warp_min_key(uint32_t x) { return __reduce_min_sync(kSelFullMask, x); }
+__device__ __forceinline__ uint64_t warp_max_key(uint64_t x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint64_t y = __shfl_xor_sync(kSelFullMask, x, o);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+__device__ __forceinline__ uint64_t warp_min_key(uint64_t x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint64_t y = __shfl_xor_sync(kSelFullMask, x, o);
+    x = y < x ? y : x;
+  }
+  return x;
+}
+
+/// \brief Warp-wide top / bottom selection over MAXE composite keys per lane (element i of
+/// a lane is vector entry 32 i + lane; `valid` marks present ones): k + 1 rounds of warp
+/// arg-max and arg-min (k rounds when 2k + 1 > L).  Sets the lane's masks of top-k and
+/// bottom-k entries and the (k+1)-th largest / smallest keys (the inlier bounds).
+template <int MAXE, typename KeyT>
+__device__ __forceinline__ void warp_select_rounds(const KeyT (&key)[MAXE], unsigned valid, int64_t k, int64_t L,
+                                                   unsigned& topm, unsigned& botm, KeyT& hi_key, KeyT& lo_key) {
+  const int64_t kt = (L >= 2 * k + 1) ? k + 1 : k;
+  for (int64_t round = 0; round < kt; ++round) {
+    KeyT best = 0;
+#pragma unroll
+    for (int i = 0; i < MAXE; ++i)
+      if (((valid & ~topm) >> i) & 1u) best = key[i] > best ? key[i] : best;
+    best = warp_max_key(best);
+    if (round < k) {
+#pragma unroll
+      for (int i = 0; i < MAXE; ++i)
+        if (((valid >> i) & 1u) && key[i] == best) topm |= 1u << i;
+    } else {
+      hi_key = best;
+    }
+  }
+  for (int64_t round = 0; round < kt; ++round) {
+    KeyT best = ~KeyT(0);
+#pragma unroll
+    for (int i = 0; i < MAXE; ++i)
+      if (((valid & ~botm) >> i) & 1u) best = key[i] < best ? key[i] : best;
+    best = warp_min_key(best);
+    if (round < k) {
+#pragma unroll
+      for (int i = 0; i < MAXE; ++i)
+        if (((valid >> i) & 1u) && key[i] == best) botm |= 1u << i;
+    } else {
+      lo_key = best;
+    }
+  }
+}
+
 /// \brief Warp path: one warp per vector of length L <= 256.
 template <typename DType, typename IdType>
 __global__ void __launch_bounds__(256) OutlierSelectWarpKernel(OutlierSelectParams p) {
@@ -55,42 +113,7 @@ __global__ void __launch_bounds__(256) OutlierSelectWarpKernel(OutlierSelectPara
   const int64_t kt = (L >= 2 * k + 1) ? k + 1 : k;
   unsigned topm = 0, botm = 0;
   uint64_t hi_key = 0, lo_key = 0;
-  for (int64_t round = 0; round < kt; ++round) {
-    uint64_t best = 0;
-#pragma unroll
-    for (int i = 0; i < MAXE; ++i)
-      if (((valid & ~topm) >> i) & 1u) best = key[i] > best ? key[i] : best;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      uint64_t other = __shfl_xor_sync(kSelFullMask, best, o);
-      best = other > best ? other : best;
-    }
-    if (round < k) {
-#pragma unroll
-      for (int i = 0; i < MAXE; ++i)
-        if (((valid >> i) & 1u) && key[i] == best) topm |= 1u << i;
-    } else {
-      hi_key = best;
-    }
-  }
-  for (int64_t round = 0; round < kt; ++round) {
-    uint64_t best = ~0ull;
-#pragma unroll
-    for (int i = 0; i < MAXE; ++i)
-      if (((valid & ~botm) >> i) & 1u) best = key[i] < best ? key[i] : best;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      uint64_t other = __shfl_xor_sync(kSelFullMask, best, o);
-      best = other < best ? other : best;
-    }
-    if (round < k) {
-#pragma unroll
-      for (int i = 0; i < MAXE; ++i)
-        if (((valid >> i) & 1u) && key[i] == best) botm |= 1u << i;
-    } else {
-      lo_key = best;
-    }
-  }
+  warp_select_rounds<MAXE>(key, valid, k, L, topm, botm, hi_key, lo_key);
   DType* values = static_cast<DType*>(p.values);
   IdType* indices = static_cast<IdType*>(p.indices);
   const int64_t base = vv * 2 * k;
@@ -155,34 +178,7 @@ __global__ void __launch_bounds__(256) OutlierSelectWarp16Kernel(OutlierSelectPa
   const int64_t kt = (L >= 2 * k + 1) ? k + 1 : k;
   unsigned topm = 0, botm = 0;
   uint32_t hi_key = 0, lo_key = 0;
-  for (int64_t round = 0; round < kt; ++round) {
-    uint32_t best = 0;
-#pragma unroll
-    for (int i = 0; i < MAXE; ++i)
-      if (((valid & ~topm) >> i) & 1u) best = key[i] > best ? key[i] : best;
-    best = __reduce_max_sync(kSelFullMask, best);
-    if (round < k) {
-#pragma unroll
-      for (int i = 0; i < MAXE; ++i)
-        if (((valid >> i) & 1u) && key[i] == best) topm |= 1u << i;
-    } else {
-      hi_key = best;
-    }
-  }
-  for (int64_t round = 0; round < kt; ++round) {
-    uint32_t best = 0xffffffffu;
-#pragma unroll
-    for (int i = 0; i < MAXE; ++i)
-      if (((valid & ~botm) >> i) & 1u) best = key[i] < best ? key[i] : best;
-    best = __reduce_min_sync(kSelFullMask, best);
-    if (round < k) {
-#pragma unroll
-      for (int i = 0; i < MAXE; ++i)
-        if (((valid >> i) & 1u) && key[i] == best) botm |= 1u << i;
-    } else {
-      lo_key = best;
-    }
-  }
+  warp_select_rounds<MAXE>(key, valid, k, L, topm, botm, hi_key, lo_key);
   DType* values = static_cast<DType*>(p.values);
   IdType* indices = static_cast<IdType*>(p.indices);
   const int64_t base = vv * 2 * k;
