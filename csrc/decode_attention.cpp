@@ -278,8 +278,8 @@ DecodeAttentionCall prepare_decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS
   const auto& p = c.params;
   KVQ_CHECK(p.k.Tq == 0 || attention::decode_attention_gear_cuda_ok(p), "kvq.", kGearOp,
             ": this GEAR layer is not supported by the CUDA kernel (needs head dim 64/128/256, at most 8 query "
-            "heads per KV head, KIVI key groups and blocks of whole 32-token tiles, 16-byte aligned tensors); "
-            "kvq.decode_attention falls back to dequantize + SDPA for it");
+            "heads per KV head, KIVI key groups and blocks of whole 32-token tiles, 16-byte aligned rows); "
+            "kvq.decode_attention checks this and dequantizes such layers instead");
   return c;
 }
 #endif

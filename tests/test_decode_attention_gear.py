@@ -190,3 +190,24 @@ def test_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+def test_cuda_eligibility_checks_alignment():
+    """On CUDA the fused GEAR path needs 16-byte aligned rows; a misaligned layer must take the
+    dequantize path (checked here on CPU tensors through the Python predicate)."""
+    from kvquant_ext.attention import _gear_fused_ok
+    cache = gear_cache("gear-2", 1, 2, 128, 64, torch.float16, "cpu", steps=64)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+
+    class FakeCuda:  # what the predicate reads of q: its device and shape
+        device = torch.device("cuda")
+        shape = (1, 4, 64)
+
+    assert _gear_fused_ok(kst, vst, FakeCuda())
+    # an A0 whose head stride is not a multiple of 16 bytes
+    A0 = kst.A0
+    bad = torch.empty(A0.shape[0], A0.shape[1], A0.shape[2] + 1, A0.shape[3], dtype=A0.dtype)[:, :, 1:]
+    bad.copy_(A0)
+    kst.A0 = bad
+    assert not _gear_fused_ok(kst, vst, FakeCuda())
+    kst.A0 = A0

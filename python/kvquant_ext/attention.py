@@ -158,8 +158,25 @@ def _gear_fused_ok(kst, vst, q) -> bool:
     if q.device.type != "cuda":
         return True
     D = q.shape[-1]
-    return (D in (64, 128, 256) and cfg.group_size % 32 == 0
-            and kst.T0 % 32 == 0 and cfg.buffer_length % 32 == 0)
+    if not (D in (64, 128, 256) and cfg.group_size % 32 == 0 and kst.T0 % 32 == 0
+            and cfg.buffer_length % 32 == 0):
+        return False
+    # the kernel copies codes, scales, factor rows, tile offsets and value outliers with
+    # 16-byte cp.async: every (batch, head[, block]) row must start 16-byte aligned
+    for st in (kst, vst):
+        for name, t in st.tensors().items():
+            if name == "buffer" or t is None or not t.numel():
+                continue
+            blocked = name == "B1" or (st.spec.per_channel and name[:2] in ("ov", "oi", "of"))
+            if not _aligned16(t, 3 if blocked else 2):
+                return False
+    return True
+
+
+def _aligned16(t: torch.Tensor, ndims: int) -> bool:
+    """16-byte aligned start and strides of the leading ``ndims`` dims."""
+    e = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((t.stride(d) * e) % 16 == 0 for d in range(ndims))
 
 
 def _sdpa(q, K, V, scale, attn_mask, gqa):
