@@ -329,7 +329,7 @@ def test_stream_equals_blockwise(name):
     expect = 0
     for s in (cache.layers[0].key, cache.layers[0].value):
         expect += sum(b.nbytes for b in s.blocks) + nbytes(s.buffer)
-        if s.spec.per_channel:
+        if s._tile_sorted:
             expect -= sum(nbytes(b.outlier_indices) for b in s.blocks)
             expect += sum(nbytes(t) for t in (s.oi0, s.off0, s.oi1.view(), s.off1.view()))
     assert cache.nbytes == expect

@@ -136,7 +136,8 @@ class GEARStream(Stream):
     prefill block's factors ``A0 [B, H, T0, r]`` / ``B0 [B, H, D, r]`` and outliers
     ``ov0``/``oi0``; the decode blocks' factors ``A1 [B, H, T1, r_d]`` /
     ``B1 [B, H, nblk, D, r_d]`` and outliers ``ov1``/``oi1``.  Value outliers stay per token
-    (``[B, H, T_seg, 2k]``); key outliers are stored sorted by token for the kernel:
+    (``[B, H, T_seg, 2k]``); key outliers are stored per block (``[B, H, nblk, ...]``), with
+    the KIVI backbone sorted by token for the kernel:
     ``ov``/``oi`` ``[B, H, nblk, M]`` (M = D·2k entries per block; ``oi`` int16
     ``(token mod 32) << 8 | channel``) and ``off`` ``[B, H, nblk, tiles + 1]`` int32, the
     first entry of each 32-token tile.  ``blocks`` gives per-block :class:`GEARCompressed`
@@ -163,6 +164,12 @@ class GEARStream(Stream):
 
     # -- streaming --------------------------------------------------------------
     @property
+    def _tile_sorted(self) -> bool:
+        """Key outliers are stored sorted by token (for kvq.decode_attention_gear, which takes
+        the KIVI backbone only); KCVT-backbone streams keep them per channel."""
+        return self.spec.per_channel and self.config.backbone == "kivi"
+
+    @property
     def prefill_align(self) -> int:
         """The prefill block covers a multiple of this many tokens (the KIVI group)."""
         return self.config.group_size if self.config.backbone == "kivi" else 1
@@ -182,8 +189,11 @@ class GEARStream(Stream):
         for name in ("codes", "scale", "zero"):
             getattr(self, name).append(f[name])
         ov, oi, off = f["outlier_values"], f["outlier_indices"], None
-        if self.spec.per_channel:  # keys: sorted by token, per-tile offsets
-            ov, oi, off = _tile_sort(ov, oi, x.shape[2])
+        if self.spec.per_channel:
+            if self._tile_sorted:  # keys for the fused kernel: sorted by token, tile offsets
+                ov, oi, off = _tile_sort(ov, oi, x.shape[2])
+            else:                  # KCVT backbone (no fused kernel): per channel, one set per block
+                ov, oi = ov.unsqueeze(2), oi.unsqueeze(2)
         if self.T0 == 0 and self.num_decode_blocks == 0 and not self.prefilled:
             self.T0 = x.shape[2]
             self.A0, self.B0 = f["A"], f["B"]
@@ -248,14 +258,15 @@ class GEARStream(Stream):
         off1 = self.off1.view()
         for j in range(self.num_decode_blocks):
             if self.spec.per_channel:
-                ov, oi, off = ov1[:, :, j], oi1[:, :, j], off1[:, :, j]
+                ov, oi = ov1[:, :, j], oi1[:, :, j]
+                off = off1[:, :, j] if self._tile_sorted else None
             else:
                 ov, oi, off = ov1[:, :, j * nb:(j + 1) * nb], oi1[:, :, j * nb:(j + 1) * nb], None
             out.append(block(nb, A1[:, :, j * nb:(j + 1) * nb], B1[:, :, j], ov, oi, off))
         return out
 
     def _seg0_outliers(self):
-        if self.off0 is None:
+        if not self.spec.per_channel:
             return self.ov0, self.oi0
         return self.ov0[:, :, 0], self.oi0[:, :, 0]
 
