@@ -123,6 +123,31 @@ def test_cuda_long_matches_cpu(preset, T):
 
 
 @requires_cuda
+@pytest.mark.parametrize("cfg,D", [
+    (kvq.GroupQuantConfig(bits=2, key_group_size=32, value_group_size=16), 128),   # 8 value groups
+    (kvq.GroupQuantConfig(bits=2, key_group_size=64, value_group_size=64), 128),   # 2 tiles per key group
+    (kvq.GroupQuantConfig(bits=4, key_group_size=256, value_group_size=128, residual_length=256), 128),
+    (kvq.GroupQuantConfig(bits=8, key_group_size=128, value_group_size=32), 64),
+    (kvq.GroupQuantConfig(bits=2, key_group_size=64, key_per_channel=False, value_group_size=16), 128),
+    (kvq.GroupQuantConfig(bits=4, key_group_size=32, value_group_size=8), 64),     # values G < 16
+    (kvq.GroupQuantConfig(bits=2, key_group_size=32, value_group_size=32), 256),
+])
+def test_cuda_group_sizes_match_cpu(cfg, D):
+    """Every key/value group layout the tensor-core kernels instantiate (value groups per token
+    1..8, key groups spanning 1, 2 or 8 tiles, per-token keys) equals the CPU op on the same
+    stored data and the fp32 reference."""
+    cache = build_cache(cfg, 2, 4, 3000, D, torch.float16, "cuda", steps=2)
+    q = torch.randn(2, 16, D, dtype=torch.float16, device="cuda")
+    out = check(cache, q)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    cpu_ops = [t.cpu() for t in (*kst.attention_operands(), *vst.attention_operands())]
+    ref = kvq.ops.decode_attention_gq(q.cpu(), *cpu_ops, None, kst.spec.bits, kst.spec.per_channel,
+                                      vst.spec.bits, vst.spec.per_channel, D ** -0.5)
+    err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
+    assert err < 3e-3
+
+
+@requires_cuda
 @pytest.mark.parametrize("preset,D,dtype", [("kivi-2", 128, torch.float16), ("kivi-4", 128, torch.bfloat16),
                                             ("int4-per-token", 128, torch.float16), ("kivi-2", 64, torch.float16),
                                             (kvq.KIVIConfig(bits=8), 256, torch.float16)])

@@ -60,6 +60,24 @@ __device__ __forceinline__ uint32_t extract_pair(uint32_t w, int s) {
   return hsub2_u32(x, 0x64006400u);
 }
 
+/// \brief Codes s and s + PO of a packed word as exact fp16 *subnormals*, masked in place:
+/// value = code * 2^(off - 24) with off = (s * BITS) % 8 (fields past bit 8 of a half-word come
+/// from w8 = w >> 8, one shift per word).  One LOP3 per pair and no bias to subtract: the scale
+/// goes into the other mma operand and the factor 2^(off - 24) is undone on the fp32 result.
+template <int BITS>
+__device__ __forceinline__ uint32_t sub_pair(uint32_t w, uint32_t w8, int s) {
+  const int pos = s * BITS;
+  return (pos >= 8 ? w8 : w) & (Pack<BITS>::MASK << (pos % 8));
+}
+/// Bit offset of pair s inside its byte (see sub_pair).
+template <int BITS>
+__device__ __forceinline__ constexpr int sub_off(int s) { return (s * BITS) % 8; }
+__device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 /// \brief D = A(16x16, fp16) * B(16x8, fp16) + D, fp32 accumulate.
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -263,6 +281,14 @@ __device__ __forceinline__ uint32_t gear_pair(const uint16_t* a, int row, int j,
   return lo | (hi << 16);
 }
 
+/// 2^x for x <= 0 (or -inf -> 0) with one MUFU.EX2: exp2f's range scaling for results below
+/// 2^-126 costs three instructions per call and only matters for probabilities that are 0 in fp16.
+__device__ __forceinline__ float exp2_nonpos(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 /// \brief Online-softmax step of one 32-token tile of scores in the mma C layout (lane (i, c):
 /// tokens i, i + 8 of m-tiles 0, 1; heads 2c (e even) and 2c + 1 (e odd), log2 domain).
 /// Applies the mask row (nullptr: none), updates the running max m and sum l of the lane's two
@@ -285,7 +311,7 @@ __device__ __forceinline__ void tile_online_softmax(float (&sc)[2][4], const uin
     xB = fmaxf(xB, __shfl_xor_sync(0xffffffffu, xB, o));
   }
   const float nA = fmaxf(mA, xA), nB = fmaxf(mB, xB);
-  alA = nA == -INFINITY ? 1.f : exp2f(mA - nA), alB = nB == -INFINITY ? 1.f : exp2f(mB - nB);
+  alA = nA == -INFINITY ? 1.f : exp2_nonpos(mA - nA), alB = nB == -INFINITY ? 1.f : exp2_nonpos(mB - nB);
   mA = nA, mB = nB;
   const float uA = nA == -INFINITY ? 0.f : nA, uB = nB == -INFINITY ? 0.f : nB;  // exp2(-inf - u) = 0
   float psA = 0.f, psB = 0.f;
@@ -293,7 +319,7 @@ __device__ __forceinline__ void tile_online_softmax(float (&sc)[2][4], const uin
   for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      sc[mt][e] = exp2f(sc[mt][e] - ((e & 1) ? uB : uA));
+      sc[mt][e] = exp2_nonpos(sc[mt][e] - ((e & 1) ? uB : uA));
       if (e & 1) psB += sc[mt][e]; else psA += sc[mt][e];
     }
   lA = lA * alA + psA;
@@ -326,7 +352,7 @@ __device__ __forceinline__ void tile_pt_fragments(const float (&sc)[2][4], uint3
   }
 }
 
-template <typename DType, int D, int BITS, bool KPC, bool GEAR>
+template <typename DType, int D, int BITS, bool KPC, bool GEAR, int NGV>
 __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
                          int64_t t_end, int warp, float* slot, char* ring, char* gscr, const float* s_q) {
   using CM = ChannelMap<D, BITS>;
@@ -334,6 +360,14 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   using PK = Pack<BITS>;
   constexpr int NK = D / 16;  // k-steps of QK
   constexpr int MV = D / 16;  // m-tiles (16 channels) of PV
+  // SUBK: per-channel keys as subnormal codes, scales folded into q, zero points by one more
+  // mma per k-step.  SUBV (NGV = D / G > 0): values likewise, scales folded into P per value group; m-tile M is
+  // channels [16 M, 16 M + 16) (one group: G % 16 == 0), lane row i holding channels
+  // 16 M + 2 i (row i) and 16 M + 2 i + 1 (row i + 8).  GEAR layers keep the dequantizing value
+  // path (their low-rank flush adds into acc in plain units).
+  constexpr bool SUBK = KPC;
+  constexpr bool SUBV = !GEAR && NGV > 0;  // NGV: value groups per token (compile time)
+  constexpr int NKF = SUBK ? NK : 1;
   const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
   const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
 
@@ -349,14 +383,22 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 2));
   qm = qm > 0.f ? qm : 1.f;
   const float rq = 1.f / qm;
-  uint32_t qb[NK][2];
+  // qb: the B fragments of q^T / max|q|; qf (per-channel keys, subnormal codes): the same
+  // divided by 2^off of each pair (exact powers of two), so that (code 2^(off-24)) . (qf s) =
+  // code q s 2^-24 whatever the pair's bit offset
+  uint32_t qb[NK][2], qf[NKF][2];
 #pragma unroll
   for (int kk = 0; kk < NK; ++kk) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // r = 0: pair 2kk (k rows 2c, 2c+1), r = 1: pair 2kk + 1 (rows 2c+8, 2c+9)
       const int pp = 2 * kk + r;
       const int cha = c * (D / 4) + CM::channel(pp, 0), chb = c * (D / 4) + CM::channel(pp, 1);
-      qb[kk][r] = i < g ? pack_half2(to_float(q[i * D + cha]) * rq, to_float(q[i * D + chb]) * rq) : 0u;
+      const float xa = i < g ? to_float(q[i * D + cha]) * rq : 0.f, xb = i < g ? to_float(q[i * D + chb]) * rq : 0.f;
+      qb[kk][r] = pack_half2(xa, xb);
+      if constexpr (SUBK) {
+        const float f = 1.f / (float)(1 << sub_off<BITS>(pp % PK::PO));
+        qf[kk][r] = pack_half2(xa * f, xb * f);
+      }
     }
   }
   // this lane's softmax heads are 2c and 2c + 1: their score factors (log2 domain)
@@ -370,6 +412,11 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   for (int n = 0; n < MV; ++n)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+  constexpr int NZ = SUBV ? NGV : 1;
+  float zacc[NZ][2];  // SUBV: sum_t p_t z_t of each value group, heads 2c, 2c + 1
+#pragma unroll
+  for (int j = 0; j < NZ; ++j) zacc[j][0] = zacc[j][1] = 0.f;
+  const uint32_t kOnes[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};  // fp16 1.0 pairs
 
   const QuantKV& K = p.k;
   const QuantKV& V = p.v;
@@ -386,6 +433,14 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   const int vj = (int)((i * (D / 8)) / V.group);  // value group of this lane row
   const int v_first_word = (i * CM::VP) / PK::PO;
   const int soff = (i * CM::VP) % PK::PO;  // nonzero only when a row uses part of a word
+  // SUBV lane constants: word, byte and bit offset of channels 2 i (row i) and 2 i + 1 (row
+  // i + 8) of an m-tile; PRMT selectors put that byte of two tokens' words in bytes 0 and 2
+  const int v_wofs = (2 * i * BITS) / 32;
+  const int v_by0 = ((2 * i * BITS) % 32) / 8, v_by1 = (((2 * i + 1) * BITS) % 32) / 8;
+  const int v_off0 = (2 * i * BITS) % 8, v_off1 = ((2 * i + 1) * BITS) % 8;
+  const uint32_t v_sel0 = (uint32_t)(v_by0 | (v_by0 << 4) | ((4 + v_by0) << 8) | ((4 + v_by0) << 12));
+  const uint32_t v_sel1 = (uint32_t)(v_by1 | (v_by1 << 4) | ((4 + v_by1) << 8) | ((4 + v_by1) << 12));
+  const uint32_t v_m0 = PK::MASK << v_off0, v_m1 = PK::MASK << v_off1;
   const int kgroup = (int)K.group;
 
   // ---- GEAR state (see GearScratch) ----
@@ -406,22 +461,43 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   // this warp's tiles: t0 = t_begin + (warp + kWarps * k) * kTile, k < ntiles
   const int64_t first = t_begin + warp * kTile;
   const int ntiles = first < t_end ? (int)((t_end - first + kWarps * kTile - 1) / (kWarps * kTile)) : 0;
+  // the next tile to issue, with its source pointers advanced incrementally (tiles are issued
+  // in order; no 64-bit multiplies or divisions per tile)
+  constexpr int kStep = kWarps * kTile;  // tokens between a warp's consecutive tiles
+  int64_t is_t0 = first;
+  int is_stage = 0;
+  const int32_t* is_kc = kcodes + first * WROW;
+  const int32_t* is_vc = vcodes + first * WROW;
+  const uint16_t* is_vs = vscale + first * ngv;
+  const uint16_t* is_vz = vzero + first * ngv;
+  // per-channel keys: the row of group t0 / G (kgstep rows per tile when G divides the step)
+  const int kgstep = KPC ? (kStep % kgroup == 0 ? kStep / kgroup : 0) : 0;
+  const int64_t k_row0 = KPC ? (first / kgroup) * D : first * ngk;
+  const uint16_t* is_ks = kscale + k_row0;
+  const uint16_t* is_kz = kzero + k_row0;
   auto issue = [&](int k) {
     if (k < ntiles) {
-      const int64_t t0 = first + (int64_t)k * kWarps * kTile;
-      char* st = ring + (k % TL::STAGES) * TL::BYTES;
-      warp_copy_async<TL::CODES>(st + TL::KC_OFF, kcodes + t0 * WROW, TL::CODES, lane);
-      warp_copy_async<TL::CODES>(st + TL::VC_OFF, vcodes + t0 * WROW, TL::CODES, lane);
+      const int64_t t0 = is_t0;
+      char* st = ring + is_stage * TL::BYTES;
+      warp_copy_async<TL::CODES>(st + TL::KC_OFF, is_kc, TL::CODES, lane);
+      warp_copy_async<TL::CODES>(st + TL::VC_OFF, is_vc, TL::CODES, lane);
       if constexpr (KPC) {
-        const int gi = (int)t0 / kgroup;
-        warp_copy_async<2 * D>(st + TL::KS_OFF, kscale + (int64_t)gi * D, 2 * D, lane);
-        warp_copy_async<2 * D>(st + TL::KZ_OFF, kzero + (int64_t)gi * D, 2 * D, lane);
+        warp_copy_async<2 * D>(st + TL::KS_OFF, is_ks, 2 * D, lane);
+        warp_copy_async<2 * D>(st + TL::KZ_OFF, is_kz, 2 * D, lane);
       } else {
-        warp_copy_async<TL::KS>(st + TL::KS_OFF, kscale + t0 * ngk, kTile * ngk * 2, lane);
-        warp_copy_async<TL::KS>(st + TL::KZ_OFF, kzero + t0 * ngk, kTile * ngk * 2, lane);
+        warp_copy_async<TL::KS>(st + TL::KS_OFF, is_ks, kTile * ngk * 2, lane);
+        warp_copy_async<TL::KS>(st + TL::KZ_OFF, is_kz, kTile * ngk * 2, lane);
       }
-      warp_copy_async<TL::VS>(st + TL::VS_OFF, vscale + t0 * ngv, kTile * ngv * 2, lane);
-      warp_copy_async<TL::VS>(st + TL::VZ_OFF, vzero + t0 * ngv, kTile * ngv * 2, lane);
+      warp_copy_async<TL::VS>(st + TL::VS_OFF, is_vs, kTile * ngv * 2, lane);
+      warp_copy_async<TL::VS>(st + TL::VZ_OFF, is_vz, kTile * ngv * 2, lane);
+      is_t0 += kStep, is_kc += kStep * WROW, is_vc += kStep * WROW, is_vs += kStep * ngv, is_vz += kStep * ngv;
+      if constexpr (KPC) {
+        const int64_t row = kgstep ? (int64_t)kgstep * D : (is_t0 / kgroup - t0 / kgroup) * D;
+        is_ks += row, is_kz += row;
+      } else {
+        is_ks += kStep * ngk, is_kz += kStep * ngk;
+      }
+      is_stage = is_stage + 1 == TL::STAGES ? 0 : is_stage + 1;
       if constexpr (GEAR) {
         const GearTile gt = gear_tile(p, t0);
         const GearSegView kg = gear_seg<DType>(p.gk, b, h, gt.seg, gt.blk);
@@ -443,12 +519,15 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
 #pragma unroll
   for (int k = 0; k < TL::STAGES - 1; ++k) issue(k);
 
+  int64_t t0 = first - kStep;
+  int stage = TL::STAGES - 1;
   for (int k = 0; k < ntiles; ++k) {
     issue(k + TL::STAGES - 1);
     cp_async_wait<TL::STAGES - 1>();
     __syncwarp();
-    const int64_t t0 = first + (int64_t)k * kWarps * kTile;
-    const char* st = ring + (k % TL::STAGES) * TL::BYTES;
+    t0 += kStep;
+    stage = stage + 1 == TL::STAGES ? 0 : stage + 1;
+    const char* st = ring + stage * TL::BYTES;
     const int32_t* s_kc = reinterpret_cast<const int32_t*>(st + TL::KC_OFF);
     const int32_t* s_vc = reinterpret_cast<const int32_t*>(st + TL::VC_OFF);
     const uint16_t* s_ks = reinterpret_cast<const uint16_t*>(st + TL::KS_OFF);
@@ -476,8 +555,37 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[mt][e] = 0.f;
+    float zc[4] = {0.f, 0.f, 0.f, 0.f};  // SUBK: q . zero of the tile's group (all rows equal)
+    if constexpr (SUBK) {
+      // this lane quad's scale and zero rows (channels [c D/4, (c + 1) D/4)) as words
+      uint32_t swr[D / 8], zwr[D / 8];
+      lds_words<D / 8>(reinterpret_cast<const int32_t*>(s_ks + c * (D / 4)), swr);
+      lds_words<D / 8>(reinterpret_cast<const int32_t*>(s_kz + c * (D / 4)), zwr);
+      auto pair_of = [&](const uint32_t(&w)[D / 8], int pp) {  // (x[ch(pp, 0)], x[ch(pp, 1)]) as fp16x2
+        const int la = CM::channel(pp, 0), lb = CM::channel(pp, 1);  // same parity
+        return __byte_perm(w[la / 2], w[lb / 2], (la & 1) ? 0x7632u : 0x5410u);
+      };
 #pragma unroll
-    for (int kk = 0; kk < NK; ++kk) {
+      for (int kk = 0; kk < NK; ++kk) {
+        const int pa = 2 * kk, pb = 2 * kk + 1;
+        const uint32_t b0 = hmul2_u32(qf[kk][0], pair_of(swr, pa)), b1 = hmul2_u32(qf[kk][1], pair_of(swr, pb));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const uint32_t w0a = kw[2 * mt][pa / PK::PO], w1a = kw[2 * mt + 1][pa / PK::PO];
+          const uint32_t w0b = kw[2 * mt][pb / PK::PO], w1b = kw[2 * mt + 1][pb / PK::PO];
+          uint32_t a[4];
+          a[0] = sub_pair<BITS>(w0a, w0a >> 8, pa % PK::PO);
+          a[1] = sub_pair<BITS>(w1a, w1a >> 8, pa % PK::PO);
+          a[2] = sub_pair<BITS>(w0b, w0b >> 8, pb % PK::PO);
+          a[3] = sub_pair<BITS>(w1b, w1b >> 8, pb % PK::PO);
+          mma16816(sc[mt], a, b0, b1);
+        }
+        // zero points: every row of sc gets sum_c q_c z_c (A = ones, B = q . z)
+        mma16816(zc, kOnes, hmul2_u32(qb[kk][0], pair_of(zwr, pa)), hmul2_u32(qb[kk][1], pair_of(zwr, pb)));
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < (SUBK ? 0 : NK); ++kk) {
       const int pa = 2 * kk, pb = 2 * kk + 1;
       uint32_t ksa[2], kza[2], ksb[2], kzb[2];  // [row half]: scale/zero of pairs pa, pb
       if constexpr (KPC) {
@@ -532,6 +640,12 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         }
       }
     }
+    if constexpr (SUBK && GEAR) {  // back to plain units before the low-rank mma adds to the scores
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[mt][e] = fmaf(sc[mt][e], 16777216.f, zc[e]);
+    }
     if constexpr (GEAR) {
       if (gt.bid != cur_bid) {
         cur_bid = gt.bid;
@@ -567,10 +681,18 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       }
     }
     // ---------------- online softmax: heads 2c (e even) and 2c + 1 (e odd) ----------------
+    if constexpr (SUBK && !GEAR) {  // (sc 2^24 + q . zero) * score factor
+      const float zA = zc[0] * sfA, zB = zc[1] * sfB, kA = 16777216.f * sfA, kB = 16777216.f * sfB;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sc[mt][e] *= (e & 1) ? sfB : sfA;
+        for (int e = 0; e < 4; ++e) sc[mt][e] = (e & 1) ? fmaf(sc[mt][e], kB, zB) : fmaf(sc[mt][e], kA, zA);
+    } else {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[mt][e] *= (e & 1) ? sfB : sfA;
+    }
     if constexpr (GEAR) {
       if (kg.k > 0) {  // key outliers: score_t += q_c (v - Khat[t, c]) for entries in this tile
 #pragma unroll
@@ -633,6 +755,10 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {  // a running max moved
 #pragma unroll
       for (int n = 0; n < MV; ++n) acc[n][0] *= alA, acc[n][1] *= alB, acc[n][2] *= alA, acc[n][3] *= alB;
+      if constexpr (SUBV) {
+#pragma unroll
+        for (int j = 0; j < NZ; ++j) zacc[j][0] *= alA, zacc[j][1] *= alB;
+      }
       if constexpr (GEAR) {
         u[0] *= alA, u[1] *= alB;
         if (i == 0) s_al[2 * c] = alA, s_al[2 * c + 1] = alB;
@@ -654,8 +780,59 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     tile_pt_fragments(sc, pt);
 
     // ---------------- O^T += V^T P^T over 2 k-steps of 16 tokens ----------------
+    if constexpr (SUBV) {
+      // m-tile M: A = subnormal codes of channels 16 M + 2 i (+ 1), B = P^T scaled per token by
+      // the scale of M's value group; zero points per group in zacc (plain units)
 #pragma unroll
-    for (int kst = 0; kst < 2; ++kst) {
+      for (int kst = 0; kst < 2; ++kst) {
+        const int t01 = 16 * kst + 2 * c;  // tokens t01, t01 + 1 (a0, a1, b0), t01 + 8, t01 + 9 (a2, a3, b1)
+        uint32_t vw[4][MV];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int32_t* row = s_vc + (t01 + (u & 1) + 8 * (u >> 1)) * WROW;
+          if constexpr (BITS == 2) {
+            lds_words<MV>(row, vw[u]);
+          } else {
+#pragma unroll
+            for (int M = 0; M < MV; ++M) vw[u][M] = (uint32_t)row[M * (BITS / 2) + v_wofs];
+          }
+        }
+        // scale and zero rows of tokens (t01, t01 + 1) and (t01 + 8, t01 + 9): NGV words each
+        // (token t01's groups in words [0, NGV / 2), t01 + 1's after; NGV = 1: one pair)
+        constexpr int NW = NGV > 0 ? NGV : 1;
+        uint32_t sw01[NW], sw89[NW], zw01[NW], zw89[NW];
+        {
+          const int32_t* vs32 = reinterpret_cast<const int32_t*>(s_vs);
+          const int32_t* vz32 = reinterpret_cast<const int32_t*>(s_vz);
+          lds_words<NW>(vs32 + t01 * NW / 2, sw01), lds_words<NW>(vs32 + (t01 + 8) * NW / 2, sw89);
+          lds_words<NW>(vz32 + t01 * NW / 2, zw01), lds_words<NW>(vz32 + (t01 + 8) * NW / 2, zw89);
+        }
+        auto tok_pair = [&](const uint32_t(&w)[NW], int gi) {  // (x[t][gi], x[t + 1][gi]) as fp16x2
+          if constexpr (NW == 1) return w[0];
+          else return __byte_perm(w[gi / 2], w[NW / 2 + gi / 2], (gi & 1) ? 0x7632u : 0x5410u);
+        };
+        uint32_t ps0 = 0u, ps1 = 0u;
+#pragma unroll
+        for (int M = 0; M < MV; ++M) {
+          constexpr int MPG = MV / NW;  // m-tiles per value group
+          if (M % MPG == 0) {  // first m-tile of a value group: its B operands
+            const int gi = M / MPG;
+            ps0 = hmul2_u32(pt[kst][0], tok_pair(sw01, gi)), ps1 = hmul2_u32(pt[kst][1], tok_pair(sw89, gi));
+            // the group's zero points: zacc += sum_t p_t z_t (A = ones; rows i + 8 discarded)
+            float d[4] = {zacc[gi][0], zacc[gi][1], 0.f, 0.f};
+            mma16816(d, kOnes, hmul2_u32(pt[kst][0], tok_pair(zw01, gi)), hmul2_u32(pt[kst][1], tok_pair(zw89, gi)));
+            zacc[gi][0] = d[0], zacc[gi][1] = d[1];
+          }
+          const uint32_t x01 = __byte_perm(vw[0][M], vw[1][M], v_sel0), x89 = __byte_perm(vw[2][M], vw[3][M], v_sel0);
+          const uint32_t y01 = BITS == 8 ? __byte_perm(vw[0][M], vw[1][M], v_sel1) : x01;
+          const uint32_t y89 = BITS == 8 ? __byte_perm(vw[2][M], vw[3][M], v_sel1) : x89;
+          const uint32_t a[4] = {x01 & v_m0, y01 & v_m1, x89 & v_m0, y89 & v_m1};
+          mma16816(acc[M], a, ps0, ps1);
+        }
+      }
+    }
+#pragma unroll
+    for (int kst = 0; kst < (SUBV ? 0 : 2); ++kst) {
       // tokens u: 2c, 2c + 1, 2c + 8, 2c + 9 of the k-step
       uint32_t vw[4][CM::WV], vsz[4];
 #pragma unroll
@@ -747,8 +924,20 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   __syncwarp();
   // ---- this warp's partial: (m, l), then the accumulators in its channel order ----
   warp_store_ml(slot, D, g, i, c, mA, mB, lA, lB);
+  if constexpr (SUBV) {  // undo the subnormal factors: row i has 2^(off0 - 24), row i + 8 2^(off1 - 24)
+    const float f0 = 16777216.f / (float)(1 << v_off0), f1 = 16777216.f / (float)(1 << v_off1);
 #pragma unroll
-  for (int pp = 0; pp < MV; ++pp) {
+    for (int M = 0; M < MV; ++M)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int head = 2 * c + (e & 1);
+        if (head < g)
+          slot[head * (D + 2) + 2 + 16 * M + 2 * i + (e >> 1)] =
+              fmaf(acc[M][e], (e >> 1) ? f1 : f0, zacc[M / (MV / NZ)][e & 1]);
+      }
+  }
+#pragma unroll
+  for (int pp = 0; pp < (SUBV ? 0 : MV); ++pp) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int head = 2 * c + (e & 1);
@@ -924,7 +1113,7 @@ inline size_t decode_attention_smem_bytes(int g) {
 #ifndef KVQ_MINB
 #define KVQ_MINB 3
 #endif
-template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR, int NGV = 0>
 __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
     DecodeAttentionKernel(DecodeAttnParams p, SplitPlan plan) {
   extern __shared__ __align__(16) char smem[];
@@ -947,7 +1136,7 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   bool have_mma = false;
   if constexpr (MMA) {
     if (t_begin < t_end) {
-      warp_mma<DType, D, BITS, KPC, GEAR>(p, b, h, g, t_begin, t_end, warp, slot, region,
+      warp_mma<DType, D, BITS, KPC, GEAR, NGV>(p, b, h, g, t_begin, t_end, warp, slot, region,
                                           region + (wbytes - (GEAR ? GearScratch::bytes(g, D) : 0)), s_q);
       have_mma = true;
     }
@@ -1012,7 +1201,9 @@ inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
   if (p.k.bits != p.v.bits) return false;
   if (p.Hq / p.H > 8) return false;  // the query heads of a KV head are the N = 8 mma columns
   const bool k_ok = p.k.per_channel ? (p.k.group % kTile == 0) : (p.k.group >= D / 4 && D % p.k.group == 0);
-  const bool v_ok = !p.v.per_channel && p.v.group >= D / 8 && D % p.v.group == 0;
+  // GEAR layers dequantize values (lane row = one group: G >= D / 8); the others fold the
+  // value scales into P per m-tile of 16 channels (G % 16 == 0)
+  const bool v_ok = !p.v.per_channel && p.v.group >= D / 8 && D % p.v.group == 0 && (p.gear || p.v.group % 16 == 0);
   if (!(k_ok && v_ok)) return false;
   for (const QuantKV* s : {&p.k, &p.v}) {
     if (s->Tq == 0) continue;
@@ -1088,9 +1279,9 @@ inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, i
   return split_plan(t_main, p.T, p.B * p.H, num_sms, ctas_per_sm, kWarps);
 }
 
-template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int NGV = 0>
 cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& plan, cudaStream_t stream) {
-  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR>;
+  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR, NGV>;
   const int g = (int)(p.Hq / p.H);
   const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR, sizeof(DType)>(g);
   if (smem > 48 * 1024) {
@@ -1106,11 +1297,11 @@ cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& pl
 }
 
 /// \brief Resident CTAs per SM of an instantiation (0 on error), for the split plan.
-template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int NGV = 0>
 int DecodeAttentionOccupancy(int g) {
   static int cache[kMaxGroup + 1] = {};  // per instantiation and g (benign race: same value)
   if (g >= 1 && g <= kMaxGroup && cache[g] > 0) return cache[g];
-  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR>;
+  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR, NGV>;
   const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR, sizeof(DType)>(g);
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)

@@ -118,12 +118,6 @@ inline HqmqSmem hqmq_smem_plan(const HqmqAttnParams& p) {
   return m;
 }
 
-__device__ __forceinline__ uint32_t hmul2_u32(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-
 /// rcode (< 1024) as an exact fp16 pair (magic-number conversion, as extract_pair).
 __device__ __forceinline__ uint32_t rcode_pair(uint32_t rc) {
   return hsub2_u32((rc * 0x00010001u) | 0x64006400u, 0x64006400u);
