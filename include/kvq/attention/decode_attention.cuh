@@ -201,12 +201,11 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // ---------------------------------------------------------------------------
 /// Per-warp scratch of the GEAR extras (byte offsets for g query heads; 16-byte multiples).
 struct GearScratch {
-  static constexpr int CORR = 0;                   // float [32 tokens][8 heads]: key outlier corrections,
-                                                   // then this tile's p (fp32) for the value outliers
+  static constexpr int CORR = 0;                   // float [32 tokens][8 heads]: key outlier corrections
   static constexpr int QB = CORR + kTile * 8 * 4;  // float [8][8]: q . B_k of the current block
-  static constexpr int AL = QB + 64 * 4;           // float [8]: rescale factors per head
-  static constexpr int OC = AL + 8 * 4;            // float [g][D]: value outlier corrections
-  KVQ_HOST_DEVICE static int bytes(int g, int D) { return (OC + g * D * 4 + 15) / 16 * 16; }
+  static constexpr int DV = QB + 64 * 4;            // fp16 [16 tokens][D + 8]: value outlier corrections
+                                                   // of half a tile, in mma order (padded rows)
+  KVQ_HOST_DEVICE static int bytes(int g, int D) { return (DV + 16 * (D + 8) * 2 + 15) / 16 * 16 + 0 * g; }
 };
 
 /// Segment / block of a 32-token tile starting at t0 (32-bit arithmetic).
@@ -365,8 +364,11 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   // channels [16 M, 16 M + 16) (one group: G % 16 == 0), lane row i holding channels
   // 16 M + 2 i (row i) and 16 M + 2 i + 1 (row i + 8).  GEAR layers keep the dequantizing value
   // path (their low-rank flush adds into acc in plain units).
-  constexpr bool SUBK = KPC;
-  constexpr bool SUBV = !GEAR && NGV > 0;  // NGV: value groups per token (compile time)
+  constexpr bool SUBK = KPC && !GEAR;  // GEAR: the extra q fragments spill next to its outlier state
+  // NGV: value groups per token (compile time).  2-bit only: at 4 and 8 bits a lane would
+  // need every other code word of a token (8 LDS.32 per token instead of 2 LDS.128), which
+  // measured slower than dequantizing (kivi-4 152 vs 131 us, B = 8, L = 32k)
+  constexpr bool SUBV = !GEAR && NGV > 0 && NGV <= MV && BITS == 2;
   constexpr int NKF = SUBK ? NK : 1;
   const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
   const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
@@ -416,7 +418,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   float zacc[NZ][2];  // SUBV: sum_t p_t z_t of each value group, heads 2c, 2c + 1
 #pragma unroll
   for (int j = 0; j < NZ; ++j) zacc[j][0] = zacc[j][1] = 0.f;
-  const uint32_t kOnes[4] = {0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u};  // fp16 1.0 pairs
 
   const QuantKV& K = p.k;
   const QuantKV& V = p.v;
@@ -446,15 +447,14 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   // ---- GEAR state (see GearScratch) ----
   using GS = GearScratch;
   float* s_corr = reinterpret_cast<float*>(gscr + GS::CORR);
-  float* s_pf = s_corr;  // reused once the key corrections are in the scores
-  float* s_oc = reinterpret_cast<float*>(gscr + GS::OC);
+  uint16_t* s_dv = reinterpret_cast<uint16_t*>(gscr + GS::DV);
+  constexpr int DVS = D + 8;  // row stride (halves) of s_dv: 8 ldmatrix rows hit distinct banks
   float* s_qb = reinterpret_cast<float*>(gscr + GS::QB);
-  float* s_al = reinterpret_cast<float*>(gscr + GS::AL);
   float u[2] = {0.f, 0.f};  // U[rank i][heads 2c, 2c + 1] (C rows i; rows i + 8 stay zero)
   uint32_t qlr = 0;         // B fragment of the key low-rank mma: qB[head i][ranks 2c, 2c + 1] / max|q_i|
   int cur_bid = -1;
   if constexpr (GEAR) {
-    for (int x = lane; x < g * D; x += 32) s_oc[x] = 0.f;
+    for (int x = lane; x < 16 * DVS / 2; x += 32) reinterpret_cast<uint32_t*>(s_dv)[x] = 0u;
     __syncwarp();
   }
 
@@ -580,8 +580,11 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           a[3] = sub_pair<BITS>(w1b, w1b >> 8, pb % PK::PO);
           mma16816(sc[mt], a, b0, b1);
         }
-        // zero points: every row of sc gets sum_c q_c z_c (A = ones, B = q . z)
-        mma16816(zc, kOnes, hmul2_u32(qb[kk][0], pair_of(zwr, pa)), hmul2_u32(qb[kk][1], pair_of(zwr, pb)));
+        // zero points: every row of sc gets sum_c q_c z_c (A = the zero row in every row, B = q;
+        // exact products, unlike an fp16 q . z operand)
+        const uint32_t za = pair_of(zwr, pa), zb = pair_of(zwr, pb);
+        const uint32_t az[4] = {za, za, zb, zb};
+        mma16816(zc, az, qb[kk][0], qb[kk][1]);
       }
     }
 #pragma unroll
@@ -761,19 +764,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       }
       if constexpr (GEAR) {
         u[0] *= alA, u[1] *= alB;
-        if (i == 0) s_al[2 * c] = alA, s_al[2 * c + 1] = alB;
-        __syncwarp();
-        for (int x = lane; x < g * D; x += 32) s_oc[x] *= s_al[x / D];
-        __syncwarp();
-      }
-    }
-    if constexpr (GEAR) {
-      if (vg.k > 0) {  // this tile's p in fp32 for the value outliers (reuses s_corr)
-        __syncwarp();
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s_pf[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)] = sc[mt][e];
       }
     }
     uint32_t pt[2][2];
@@ -818,9 +808,12 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           if (M % MPG == 0) {  // first m-tile of a value group: its B operands
             const int gi = M / MPG;
             ps0 = hmul2_u32(pt[kst][0], tok_pair(sw01, gi)), ps1 = hmul2_u32(pt[kst][1], tok_pair(sw89, gi));
-            // the group's zero points: zacc += sum_t p_t z_t (A = ones; rows i + 8 discarded)
+            // the group's zero points: zacc += sum_t p_t z_t (A = the tokens' zero points in every
+            // row, B = P^T: exact products; rows i + 8 discarded)
             float d[4] = {zacc[gi][0], zacc[gi][1], 0.f, 0.f};
-            mma16816(d, kOnes, hmul2_u32(pt[kst][0], tok_pair(zw01, gi)), hmul2_u32(pt[kst][1], tok_pair(zw89, gi)));
+            const uint32_t z01 = tok_pair(zw01, gi), z89 = tok_pair(zw89, gi);
+            const uint32_t az[4] = {z01, z01, z89, z89};
+            mma16816(d, az, pt[kst][0], pt[kst][1]);
             zacc[gi][0] = d[0], zacc[gi][1] = d[1];
           }
           const uint32_t x01 = __byte_perm(vw[0][M], vw[1][M], v_sel0), x89 = __byte_perm(vw[2][M], vw[3][M], v_sel0);
@@ -878,27 +871,53 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           u[0] = d[0], u[1] = d[1];
         }
       }
-      if (vg.k > 0) {  // value outliers of token `lane`: out_c += p_t (v - Vhat[t, c])
-        __syncwarp();
+      if (vg.k > 0) {
+        // value outliers: out_c += p_t (v - Vhat[t, c]).  Lane = token; its 2k corrections go into
+        // a dense fp16 tile (half a tile of tokens at a time, channels in this kernel's mma order)
+        // that runs through the PV mma like the codes, then the entries are cleared again.
         const int tl = lane, nk = 2 * vg.k;
         const bool staged = nk <= TL::VO_MAX;  // in the ring (else read from global memory)
         const DType* ov = staged ? reinterpret_cast<const DType*>(st + TL::VOV_OFF) + tl * nk
                                  : reinterpret_cast<const DType*>(vg.ov) + (int64_t)(gt.ts0 + tl) * nk;
         const char* oi = staged ? st + TL::VOI_OFF + tl * nk : vg.oi;
         const int toff = staged ? 0 : (gt.ts0 + tl) * nk;
-        for (int j = 0; j < nk; ++j) {
-          const int ch = gear_idx(oi, staged ? 1 : vg.ibytes, toff + j);
-          const uint32_t w = (uint32_t)s_vc[tl * WROW + ch / PK::CPW];
-          const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
-          const int gi = tl * ngv + ch / (int)V.group;
-          float vhat = code * half_bits_to_float(s_vs[gi]) + half_bits_to_float(s_vz[gi]);
-          if (vg.r > 0) vhat += gear_lr(s_va, tl, vg.Bf, ch, vg.r);
-          const float dlt = to_float(ov[j]) - vhat;
-          warp_serialize_conflicts(true, ch, lane, [&] {
+        const int ib = staged ? 1 : vg.ibytes;
+        auto vpos = [&](int ch) {  // position of channel ch: m-tile pp, row i (+ 8 for member 1)
+          const int r = ch % PK::CPW, pr = (ch / PK::CPW) * PK::PO + r % PK::PO;
+          return 16 * (pr % CM::VP) + pr / CM::VP + 8 * (r / PK::PO);
+        };
+        uint16_t* my_row = s_dv + (tl & 15) * DVS;
+        // ldmatrix.x4.trans rows of this lane: tokens (lane & 7) + 8 (lane >> 4), positions + 8 ((lane >> 3) & 1)
+        const unsigned ld_base = (unsigned)__cvta_generic_to_shared(
+            s_dv + ((lane & 7) + 8 * (lane >> 4)) * DVS + 8 * ((lane >> 3) & 1));
 #pragma unroll
-            for (int hh = 0; hh < 8; ++hh)
-              if (hh < g) s_oc[hh * D + ch] += s_pf[tl * 8 + hh] * dlt;
-          });
+        for (int kst = 0; kst < 2; ++kst) {
+          const bool mine = (tl >> 4) == kst;
+          if (mine) {
+            for (int j = 0; j < nk; ++j) {
+              const int ch = gear_idx(oi, ib, toff + j);
+              const uint32_t w = (uint32_t)s_vc[tl * WROW + ch / PK::CPW];
+              const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
+              const int gi = tl * ngv + ch / (int)V.group;
+              float vhat = code * half_bits_to_float(s_vs[gi]) + half_bits_to_float(s_vz[gi]);
+              if (vg.r > 0) vhat += gear_lr(s_va, tl, vg.Bf, ch, vg.r);
+              const __half d = __float2half_rn(to_float(ov[j]) - vhat);
+              my_row[vpos(ch)] = *reinterpret_cast<const uint16_t*>(&d);
+            }
+          }
+          __syncwarp();
+#pragma unroll
+          for (int pp = 0; pp < MV; ++pp) {
+            uint32_t a[4];
+            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                         : "r"(ld_base + 32u * pp));
+            mma16816(acc[pp], a, pt[kst][0], pt[kst][1]);
+          }
+          __syncwarp();
+          if (mine)
+            for (int j = 0; j < nk; ++j) my_row[vpos(gear_idx(oi, ib, toff + j))] = 0;
+          __syncwarp();
         }
       }
       // end of a block for this warp: O^T += B_v (channels x ranks) . U (ranks x heads)
@@ -946,10 +965,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       const int ch = (pair / PK::PO) * PK::CPW + pair % PK::PO + (e >> 1) * PK::PO;
       slot[head * (D + 2) + 2 + ch] = acc[pp][e];
     }
-  }
-  if constexpr (GEAR) {  // the value outlier corrections (same running max as acc)
-    __syncwarp();
-    for (int x = lane; x < g * D; x += 32) slot[(x / D) * (D + 2) + 2 + x % D] += s_oc[x];
   }
 }
 
