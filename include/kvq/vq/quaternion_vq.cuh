@@ -73,10 +73,15 @@ __device__ __forceinline__ void mma_tf32_1688(float (&d)[4], const uint32_t (&a)
         "r"(__float_as_uint(b1)), "f"(0.f));
 }
 
-/// \brief Twice the Hurwitz score from the forms p, q, r, w (see above).
-__device__ __forceinline__ float tc_score2(float p, float q, float r, float w) {
-  const float sum = fmaxf(fabsf(p), fabsf(q)) + fmaxf(fabsf(r), fabsf(w));
-  return fmaxf(sum, fmaxf(fabsf(p) + fabsf(q), fabsf(r) + fabsf(w)));
+/// \brief Twice the Hurwitz score from the forms p, q, r, w (see above) is the maximum of the
+/// three non-negative values t[0] = max(|p|,|q|) + max(|r|,|w|), t[1] = |p| + |q|,
+/// t[2] = |r| + |w|, returned as fp32 bit patterns (non-negative floats order as unsigned
+/// integers, so a running maximum takes two new values per 3-input VIMNMX3).
+__device__ __forceinline__ void tc_score2_terms(float p, float q, float r, float w,
+                                                uint32_t (&t)[3]) {
+  t[0] = __float_as_uint(fmaxf(fabsf(p), fabsf(q)) + fmaxf(fabsf(r), fabsf(w)));
+  t[1] = __float_as_uint(fabsf(p) + fabsf(q));
+  t[2] = __float_as_uint(fabsf(r) + fabsf(w));
 }
 
 /// \brief Coefficients of u_i (i = 0..3) in the forms p or q (odd) and r or w (odd) of
@@ -262,43 +267,79 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
               a[mt][hh] = __float_as_uint(to_tf32(u));          // k = tq: round to nearest
               a[mt][2 + hh] = __float_as_uint(tf32_rz(u));      // k = tq + 4: truncated
             }
-          float bmax[2][2][kTcBuckets];
+          // bmax: per row, bucket maxima of twice the score as fp32 bits.  Two groups per
+          // step: 6 terms per row merged with 3 VIMNMX3.
+          uint32_t bmax[2][2][kTcBuckets];
           const float4* fr = s_frag + lane;
 #pragma unroll
           for (int j = 0; j < kTcBuckets; ++j) {
 #pragma unroll
             for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-              for (int hh = 0; hh < 2; ++hh) bmax[mt][hh][j] = 0.f;
+              for (int hh = 0; hh < 2; ++hh) bmax[mt][hh][j] = 0u;
+            const float4* const fend = fr + 32 * G;
 #pragma unroll 1
-            for (int i = 0; i < G; ++i) {
-              const float4 b = fr[32 * i];
+            for (; fr + 32 < fend; fr += 64) {
+              const float4 b0 = fr[0], b1 = fr[32];
+#pragma unroll
+              for (int mt = 0; mt < 2; ++mt) {
+                float c1[4], c2[4], d1[4], d2[4];
+                mma_tf32_1688(c1, a[mt], b0.x, b0.y);  // p, q
+                mma_tf32_1688(c2, a[mt], b0.z, b0.w);  // r, w
+                mma_tf32_1688(d1, a[mt], b1.x, b1.y);
+                mma_tf32_1688(d2, a[mt], b1.z, b1.w);
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                  uint32_t t0[3], t1[3];
+                  tc_score2_terms(c1[2 * hh], c1[2 * hh + 1], c2[2 * hh], c2[2 * hh + 1], t0);
+                  tc_score2_terms(d1[2 * hh], d1[2 * hh + 1], d2[2 * hh], d2[2 * hh + 1], t1);
+                  uint32_t& m = bmax[mt][hh][j];
+                  m = __vimax3_u32(m, t0[0], t0[1]);
+                  m = __vimax3_u32(m, t0[2], t1[0]);
+                  m = __vimax3_u32(m, t1[1], t1[2]);
+                }
+              }
+            }
+            if (fr != fend) {  // odd G: one group left
+              const float4 b0 = fr[0];
+              fr += 32;
 #pragma unroll
               for (int mt = 0; mt < 2; ++mt) {
                 float c1[4], c2[4];
-                mma_tf32_1688(c1, a[mt], b.x, b.y);  // p, q
-                mma_tf32_1688(c2, a[mt], b.z, b.w);  // r, w
-                bmax[mt][0][j] = fmaxf(bmax[mt][0][j], tc_score2(c1[0], c1[1], c2[0], c2[1]));
-                bmax[mt][1][j] = fmaxf(bmax[mt][1][j], tc_score2(c1[2], c1[3], c2[2], c2[3]));
+                mma_tf32_1688(c1, a[mt], b0.x, b0.y);
+                mma_tf32_1688(c2, a[mt], b0.z, b0.w);
+#pragma unroll
+                for (int hh = 0; hh < 2; ++hh) {
+                  uint32_t t0[3];
+                  tc_score2_terms(c1[2 * hh], c1[2 * hh + 1], c2[2 * hh], c2[2 * hh + 1], t0);
+                  uint32_t& m = bmax[mt][hh][j];
+                  m = __vimax3_u32(m, t0[0], t0[1]);
+                  m = max(m, t0[2]);
+                }
               }
             }
-            fr += 32 * G;
           }
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
             for (int hh = 0; hh < 2; ++hh) {
               const int c = (16 * mt + 8 * hh + gq) * CPT + k;
-              float m1 = bmax[mt][hh][0];
+              uint32_t mb = bmax[mt][hh][0];
 #pragma unroll
-              for (int j = 1; j < kTcBuckets; ++j) m1 = fmaxf(m1, bmax[mt][hh][j]);
-              m1 = fmaxf(m1, __shfl_xor_sync(kFullMask, m1, 1));
-              m1 = fmaxf(m1, __shfl_xor_sync(kFullMask, m1, 2));
+              for (int j = 1; j + 1 < kTcBuckets; j += 2)
+                mb = __vimax3_u32(mb, bmax[mt][hh][j], bmax[mt][hh][j + 1]);
+              if (kTcBuckets % 2 == 0) mb = max(mb, bmax[mt][hh][kTcBuckets - 1]);
+              mb = max(mb, __shfl_xor_sync(kFullMask, mb, 1));
+              mb = max(mb, __shfl_xor_sync(kFullMask, mb, 2));
+              const float m1 = __uint_as_float(mb);
               const float lim = m1 - s_thr[c];
-              uint32_t bits = 0;
+              // bit j = !(bmax_j < lim): sign bits of bmax_j - lim funnelled in, then inverted
+              // (lim = -inf: +inf.  Chunks with T = inf search all buckets anyway, below.)
+              uint32_t neg = 0;
 #pragma unroll
-              for (int j = 0; j < kTcBuckets; ++j)
-                bits |= (bmax[mt][hh][j] < lim) ? 0u : (1u << j);  // NaN: candidate
+              for (int j = kTcBuckets - 1; j >= 0; --j)
+                neg = __funnelshift_l(__float_as_uint(__uint_as_float(bmax[mt][hh][j]) - lim), neg, 1);
+              const uint32_t bits = ~neg & ((1u << kTcBuckets) - 1u);
               s_candb[4 * c + tq] = (uint8_t)bits;  // bucket 8 tq + j of chunk c
             }
         }
@@ -309,7 +350,8 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
           const bool zero = (xc[k][0] == 0.f && xc[k][1] == 0.f && xc[k][2] == 0.f &&
                              xc[k][3] == 0.f);  // every score is 0: the CPU op picks s = 0
           if (!valid || outl[k] || zero) continue;
-          uint32_t cm = s_cand[lane * CPT + k];
+          // T = inf (non-finite or extreme chunk): every bucket, i.e. the CPU op's loop
+          uint32_t cm = s_thr[lane * CPT + k] == INFINITY ? ~0u : s_cand[lane * CPT + k];
           float best = -1.f;
           while (cm) {
             const int b = __ffs(cm) - 1;
