@@ -124,6 +124,29 @@ __device__ __forceinline__ float tc_threshold(float x0, float x1, float x2, floa
   return ok ? fmaf(8.f, d1, l1 * 0x1p-13f) * nu : INFINITY;
 }
 
+/// \brief The CPU op's search restricted to the buckets in mask (bucket b: s in [b G, (b+1) G)),
+/// in ascending s: the first maximum of hurwitz_score over the searched secondaries.
+__device__ __forceinline__ void tc_search_buckets(const float (&x)[4], const float4* s_sec, int S,
+                                                  int G, uint32_t mask, float& best, int& bs) {
+  best = -1.f;
+  bs = 0;
+  while (mask) {
+    const int b = __ffs(mask) - 1;
+    mask &= mask - 1;
+    const int s_end = min((b + 1) * G, S);
+    for (int s = b * G; s < s_end; ++s) {
+      const float4 q = s_sec[s];
+      float v0, v1, v2, v3;
+      mul_conj(x[0], x[1], x[2], x[3], q.x, q.y, q.z, q.w, v0, v1, v2, v3);
+      const float sc = hurwitz_score(v0, v1, v2, v3);
+      if (sc > best) {
+        best = sc;
+        bs = s;
+      }
+    }
+  }
+}
+
 template <typename DType, int CPT, int LPT, bool TC>
 __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqParams p) {
   extern __shared__ float4 smem[];
@@ -139,9 +162,10 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
   const int nwarps = blockDim.x >> 5;
   float4* s_u = s_sec + p.S + warp * WC;                   // TC: [WC] this warp's chunks
   uint32_t* s_words = reinterpret_cast<uint32_t*>(s_sec + p.S + (TC ? nwarps * WC : 0));
-  float* s_thr = reinterpret_cast<float*>(s_words + warp * 3 * WC);  // TC: [WC]
-  uint32_t* s_cand = s_words + warp * 3 * WC + WC;                    // TC: [WC]
-  uint32_t* s_fields = TC ? s_words + warp * 3 * WC + 2 * WC : s_words + warp * WC;
+  float* s_thr = reinterpret_cast<float*>(s_words + warp * 4 * WC);  // TC: [WC] margins T
+  uint32_t* s_cand = s_words + warp * 4 * WC + WC;                    // TC: [WC] bucket masks
+  float* s_m1 = reinterpret_cast<float*>(s_words + warp * 4 * WC + 2 * WC);  // TC: [WC]
+  uint32_t* s_fields = TC ? s_words + warp * 4 * WC + 3 * WC : s_words + warp * WC;
   const int g = lane / LPT, l = lane % LPT;
   uint32_t* fields = s_fields + g * C;  // this token's C fields
   const int RB = p.radius_bits, F = p.field_bits, W = p.words;
@@ -332,6 +356,7 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
               mb = max(mb, __shfl_xor_sync(kFullMask, mb, 1));
               mb = max(mb, __shfl_xor_sync(kFullMask, mb, 2));
               const float m1 = __uint_as_float(mb);
+              if (tq == 0) s_m1[c] = m1;
               const float lim = m1 - s_thr[c];
               // bit j = !(bmax_j < lim): sign bits of bmax_j - lim funnelled in, then inverted
               // (lim = -inf: +inf.  Chunks with T = inf search all buckets anyway, below.)
@@ -351,24 +376,14 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
                              xc[k][3] == 0.f);  // every score is 0: the CPU op picks s = 0
           if (!valid || outl[k] || zero) continue;
           // T = inf (non-finite or extreme chunk): every bucket, i.e. the CPU op's loop
-          uint32_t cm = s_thr[lane * CPT + k] == INFINITY ? ~0u : s_cand[lane * CPT + k];
-          float best = -1.f;
-          while (cm) {
-            const int b = __ffs(cm) - 1;
-            cm &= cm - 1;
-            const int s_end = min((b + 1) * G, (int)S);
-            for (int s = b * G; s < s_end; ++s) {
-              const float4 q = s_sec[s];
-              float v0, v1, v2, v3;
-              mul_conj(xc[k][0], xc[k][1], xc[k][2], xc[k][3], q.x, q.y, q.z, q.w, v0, v1, v2,
-                       v3);
-              const float sc = hurwitz_score(v0, v1, v2, v3);
-              if (sc > best) {
-                best = sc;
-                bs[k] = s;
-              }
-            }
-          }
+          const int c = lane * CPT + k;
+          const float tc = s_thr[c];
+          float best;
+          tc_search_buckets(xc[k], s_sec, (int)S, G, tc == INFINITY ? ~0u : s_cand[c], best, bs[k]);
+          // Guard: the searched best must agree with the approximate maximum to within E = T/2
+          // (it does whenever the error bound holds); otherwise search every bucket.
+          if (tc != INFINITY && !(fabsf(2.f * best - s_m1[c]) <= 0.5f * tc))
+            tc_search_buckets(xc[k], s_sec, (int)S, G, ~0u, best, bs[k]);
         }
       } else {
         float best[CPT];
@@ -515,12 +530,12 @@ inline dim3 hqmq_grid(const HqmqParams& p) {
 }
 
 /// \brief Shared memory of the encode kernel (TC: fragments, secondaries, per-warp chunks,
-/// margins, candidate masks and fields; otherwise secondaries and fields).
+/// margins, candidate masks, approximate maxima and fields; otherwise secondaries and fields).
 inline size_t hqmq_encode_smem(int64_t S, int CPT, bool tc) {
   const size_t wc = 32 * (size_t)CPT, warps = kThreads / 32;
   if (!tc) return (size_t)S * sizeof(float4) + warps * wc * sizeof(uint32_t);
   const size_t q = (size_t)kTcBuckets * hqmq_tc_bucket(S);
-  return (32 * q + (size_t)S) * sizeof(float4) + warps * wc * (sizeof(float4) + 3 * sizeof(uint32_t));
+  return (32 * q + (size_t)S) * sizeof(float4) + warps * wc * (sizeof(float4) + 4 * sizeof(uint32_t));
 }
 
 /// \brief Dense encode (codes, scale, outlier mask/count scratch).  C = CPT * LPT chunks.
