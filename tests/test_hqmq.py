@@ -432,14 +432,17 @@ def near_tie_x(sec, T, D, seed=0):
     x0 = torch.randn(H, n, 4, generator=g, dtype=torch.float64)
     x = x0.clone()
     for h in range(H):
+        if S == 1:
+            break
         cb = ref.codebook(sec[h].double())  # [24 S, 4], row s * 24 + p
-        sc = x0[h] @ cb.T
-        i1 = sc.argmax(-1)
-        if S > 1:
+        for b in range(0, n, 512):
+            xb = x0[h, b:b + 512]
+            sc = xb @ cb.T
+            i1 = sc.argmax(-1)
             other = (torch.arange(24 * S)[None, :] // 24) == (i1[:, None] // 24)
             i2 = sc.masked_fill(other, -math.inf).argmax(-1)
             d = cb[i1] - cb[i2]
-            x[h] = x0[h] - ((x0[h] * d).sum(-1, keepdim=True) / (d * d).sum(-1, keepdim=True)) * d
+            x[h, b:b + 512] = xb - ((xb * d).sum(-1, keepdim=True) / (d * d).sum(-1, keepdim=True)) * d
     nudge = torch.rand(H, n, 1, generator=g) < 0.3
     x = torch.where(nudge, x * (1 + 1e-7 * torch.randn(H, n, 4, generator=g, dtype=torch.float64)), x)
     x = x * torch.exp(2 * torch.randn(H, n, 1, generator=g, dtype=torch.float64))
