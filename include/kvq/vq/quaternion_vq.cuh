@@ -183,15 +183,18 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
     if (TC && threadIdx.x == 0) s_nu = 0u;
     const float4* sec_g = reinterpret_cast<const float4*>(p.secondary) + h * S;
     for (int64_t i = threadIdx.x; i < S; i += blockDim.x) s_sec[i] = sec_g[i];
+    __syncthreads();
+    float nu = 1.f;
     if (TC) {
-      // B fragments: lane (gg, tt) of group grp holds column gg of both mma's B:
-      // secondary grp + (gg / 2) Q, form gg % 2 (p/q, then r/w), rows tt (hi) / tt + 4 (lo).
+      // B fragments (from the staged secondaries): lane (gg, tt) of group grp holds column gg
+      // of both mma's B: secondary grp + (gg / 2) Q, form gg % 2 (p/q, then r/w), rows tt (hi)
+      // and tt + 4 (lo).
       for (int e = threadIdx.x; e < 32 * Q; e += blockDim.x) {
         const int grp = e >> 5, gg = (e & 31) >> 2, tt = e & 3;
         const int64_t s = grp + (int64_t)(gg >> 1) * Q;
         float4 f = make_float4(0.f, 0.f, 0.f, 0.f);
         if (s < S) {
-          const float4 q = sec_g[s];
+          const float4 q = s_sec[s];
           float c_pq, c_rw;
           tc_form_coeffs(q.x, q.y, q.z, q.w, tt, gg & 1, c_pq, c_rw);
           f.x = to_tf32(c_pq);
@@ -201,10 +204,6 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
         }
         s_frag[e] = f;
       }
-    }
-    __syncthreads();
-    float nu = 1.f;
-    if (TC) {
       float m = 0.f;
       for (int64_t i = threadIdx.x; i < S; i += blockDim.x) {
         const float4 q = s_sec[i];
