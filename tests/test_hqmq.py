@@ -415,6 +415,111 @@ def test_cuda_matches_cpu(S, rb, D, dtype, T):
     assert torch.equal(y_cpu, y_gpu.cpu())
 
 
+# The CUDA encode searches with tensor cores for S <= 512 (approximate scores, then the
+# candidate buckets re-searched with the CPU op's fp32 arithmetic) and with the fp32 S-way
+# loop above; both must return exactly the CPU op's codes (first maximum of its fp32 scores).
+TC_SECONDARY = [1, 7, 33, 96, 192, 256, 512, 513]  # 513: the fp32 loop
+
+
+def near_tie_x(sec, T, D, seed=0):
+    """[1, H, T, D] float32 chunks built to stress the codeword choice: random directions
+    moved onto the bisector of their best codeword and their best codeword of another
+    secondary (ties in exact arithmetic, decided by fp32 rounding), some nudged by 1e-7,
+    random scales, plus all-zero, tiny and huge chunks."""
+    g = torch.Generator().manual_seed(seed)
+    H, S, _ = sec.shape
+    n = T * D // 4
+    x0 = torch.randn(H, n, 4, generator=g, dtype=torch.float64)
+    x = x0.clone()
+    for h in range(H):
+        if S == 1:
+            break
+        cb = ref.codebook(sec[h].double())  # [24 S, 4], row s * 24 + p
+        for b in range(0, n, 512):
+            xb = x0[h, b:b + 512]
+            sc = xb @ cb.T
+            i1 = sc.argmax(-1)
+            other = (torch.arange(24 * S)[None, :] // 24) == (i1[:, None] // 24)
+            i2 = sc.masked_fill(other, -math.inf).argmax(-1)
+            d = cb[i1] - cb[i2]
+            x[h, b:b + 512] = xb - ((xb * d).sum(-1, keepdim=True) / (d * d).sum(-1, keepdim=True)) * d
+    nudge = torch.rand(H, n, 1, generator=g) < 0.3
+    x = torch.where(nudge, x * (1 + 1e-7 * torch.randn(H, n, 4, generator=g, dtype=torch.float64)), x)
+    x = x * torch.exp(2 * torch.randn(H, n, 1, generator=g, dtype=torch.float64))
+    x = x.float().reshape(1, H, T, D)
+    x[0, 0, 0] = 0.0                   # all-zero token
+    x[0, 1 % H, 1, 4:8] = 0.0          # one zero chunk
+    x[0, 0, 2, :8] *= 1e-36            # below 2^-100: full search
+    x[0, 0, 2, 8:16] *= 1e-20          # tiny but on the tensor-core path
+    x[0, 0, 3, :8] *= 1e31             # above 2^100: full search
+    return x
+
+
+@requires_cuda
+@pytest.mark.parametrize("S", TC_SECONDARY)
+@pytest.mark.parametrize("D", [32] + HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("med3", [False, True])
+def test_cuda_codes_equal_cpu_exactly(S, D, dtype, med3):
+    H = 2
+    x = make_x(2, H, 67, D, dtype, outliers=True)
+    x[0, 0, 3] = 0  # all-zero token
+    x[1, 1, 4, :4] = 0  # one zero chunk
+    sec = secondary(H, S, seed=S)
+    thr = med3_threshold(x, 3.0) if med3 else None
+    cpu = encode(x, sec, 5, thr)
+    gpu = encode(x.cuda(), sec.cuda(), 5, None if thr is None else thr.cuda())
+    for a, b in zip(cpu, gpu):
+        assert torch.equal(a, b.cpu())
+
+
+@requires_cuda
+@pytest.mark.parametrize("S", [1, 33, 96, 192, 512, 513])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sec_scale", [1.0, 3.0, 1e-3])
+def test_cuda_codes_equal_cpu_on_near_ties(S, D, dtype, sec_scale):
+    H = 3
+    sec = secondary(H, S, seed=7)
+    if S > 2:
+        sec[:, 1] = sec[:, S - 1]  # duplicated secondary: exact ties between s = 1 and S - 1
+    sec = sec * sec_scale  # not unit: the candidate margin scales with max |s|
+    x = near_tie_x(sec / sec_scale, 40, D, seed=S + D).to(dtype)
+    cpu = encode(x, sec, 6, check_finite=False)
+    gpu = encode(x.cuda(), sec.cuda(), 6, check_finite=False)
+    for a, b in zip(cpu, gpu):
+        assert torch.equal(a, b.cpu())
+
+
+@requires_cuda
+def test_cuda_codes_equal_cpu_large():
+    # many chunks per call (all tiles full), both presets' S, fp16 and bf16
+    for dtype in (torch.float16, torch.bfloat16):
+        x = make_x(1, 4, 2048, 128, dtype, outliers=True)
+        for S in (96, 192):
+            sec = secondary(4, S, seed=3)
+            cpu = encode(x, sec, 4)
+            gpu = encode(x.cuda(), sec.cuda(), 4)
+            assert torch.equal(cpu[0], gpu[0].cpu()) and torch.equal(cpu[1], gpu[1].cpu())
+
+
+def test_near_tie_inputs_are_near_ties():
+    # the stress input really has near-ties: a sizeable share of chunks whose best two
+    # secondaries' scores differ by < 1e-6 relative (checked on the CPU reference search)
+    sec = secondary(2, 96, seed=7)
+    x = near_tie_x(sec, 8, 64, seed=1)
+    xc = x.double().reshape(-1, 4)
+    h = torch.arange(2).repeat_interleave(8 * 16)
+    v = ref.hamilton(xc[:, None, :], sec.double()[h][:, :, :] * torch.tensor([1.0, -1, -1, -1], dtype=torch.float64))
+    a = v.abs()
+    sc = torch.maximum(a.amax(-1), a.sum(-1) / 2)
+    top = sc.topk(2, dim=-1).values
+    n = xc.norm(dim=-1)
+    ok = n > 0
+    rel = ((top[:, 0] - top[:, 1]) / n)[ok]
+    assert (rel < 1e-6).float().mean() > 0.5
+
+
 @requires_cuda
 def test_cuda_errors_and_opcheck():
     sec = secondary(2, 24, device="cuda")
