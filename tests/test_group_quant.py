@@ -437,3 +437,45 @@ def test_cuda_per_token_non_contiguous_exact():
     assert not base.is_contiguous()
     for bits in BITS:
         _per_token_both(base, bits, 32)
+
+
+# ----------------------------------------------------------------------------- KCVT cooperative (v7)
+# Per-channel groups of >= 256 tokens that the tile kernel does not take run one cooperative
+# kernel (tile in registers while the group's min/max completes across blocks) outside stream
+# capture, and the split-T kernels inside it.  Both must equal the CPU op exactly.
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_cuda_kcvt_many_items_per_block(dtype, bits):
+    """More (group, chunk) items than resident blocks; groups straddle rounds; partial chunk."""
+    x = make_kv(4, 6, 4100, 128, dtype)
+    x[1, 2, 4099, 5] = 30.0  # extreme in the partial last chunk
+    x[3, 5, 0, 127] = -30.0
+    _quantize_both(x, bits, -1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [32, 64, 256])
+def test_cuda_kcvt_head_dims(D):
+    x = make_kv(3, 2, 3001, D, torch.float16)
+    for bits in BITS:
+        _quantize_both(x, bits, -1)
+
+
+@requires_cuda
+def test_cuda_kcvt_graph_capture_matches_eager():
+    """Inside stream capture the split path runs (cooperative launches are not captured)."""
+    x = make_kv(2, 4, 2048, 128, torch.float16, "cuda")
+    ref = kvq.quantize(x, 2, -1, True, check_finite=False)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kvq.quantize(x, 2, -1, True, check_finite=False)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kvq.quantize(x, 2, -1, True, check_finite=False)
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)

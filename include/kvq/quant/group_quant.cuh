@@ -9,6 +9,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <type_traits>
 
 #include "kvq/common/half.h"
@@ -764,6 +765,160 @@ __global__ void __launch_bounds__(256) GroupQuantizeChunkKernel(GroupQuantParams
 }
 
 // ---------------------------------------------------------------------------
+// Per-channel quantization of large groups (KCVT) in one cooperative launch (v7): the input is
+// read once.  Work items are (group, chunk of TC = S * TPT tokens); block b runs items b,
+// b + gridDim.x, ...  An item's tile stays in registers (thread = token slice s x 16-byte channel
+// segment k, TPT tokens, as in the tile kernel) while the group's min/max completes across
+// blocks:
+//   1. raw HMNMX2 min/max of the tile, combined over the slices in shared memory, written as
+//      fp32 partials ws part[item][2][D]; __threadfence; atomicAdd on the group's counter.
+//   2. the block that arrives last reduces the group's C partials in chunk order, writes scale /
+//      zero and ws qp[group][2][D] (zero, inv), __threadfence, sets the group's ready flag.
+//   3. the other blocks issue the loads of their next item, then wait for the ready flag; every
+//      block packs its tile from registers with the group's qparams (quantize_pack_store, the
+//      tile kernel's arithmetic: bit-identical to the CPU op).
+// No deadlock: every block is resident (cooperative launch, grid <= resident capacity) and a
+// group's C <= gridDim.x items are consecutive, so each of them is the next item of its block
+// once all lower-numbered items are past their wait (induction on the lowest waiting item).
+// A wait longer than ~2 s traps (a launch error instead of a hang) -- never expected.
+// Workspace: part [NG * C][2][D] floats, qp [NG][2][D] floats, then 2 * NG int32 (arrival
+// counters, ready flags; zeroed by the launcher with cudaMemsetAsync).
+// ---------------------------------------------------------------------------
+constexpr int kKcvtTokensPerThread = 8;
+
+template <typename DType, int D>
+struct KcvtShape {
+  static constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE, S = 256 / CPL;
+  static constexpr int TPT = kKcvtTokensPerThread, TC = S * TPT;  // tokens per item
+};
+
+inline int64_t kcvt_chunks(int64_t G, int tc) { return (G + tc - 1) / tc; }
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename DType, int D, int BITS>
+__global__ void __launch_bounds__(256, 2) GroupQuantizeKcvtKernel(GroupQuantParams p, int64_t ng,
+                                                                   int64_t C) {
+  using Sh = KcvtShape<DType, D>;
+  constexpr int VE = Sh::VE, CPL = Sh::CPL, S = Sh::S, TPT = Sh::TPT, TC = Sh::TC;
+  constexpr int W = D * BITS / 32;
+  __shared__ uint4 s_mn[256], s_mx[256];
+  __shared__ __align__(16) float s_qp[2 * D];
+  __shared__ int s_last;
+  const int k = threadIdx.x % CPL, s = threadIdx.x / CPL;
+  const int64_t G = p.group, items = ng * C;
+  float* part = p.ws;
+  float* qpw = p.ws + items * 2 * D;
+  int* cnt = reinterpret_cast<int*>(qpw + ng * 2 * D);
+  int* ready = cnt + ng;
+  const uint4* x = reinterpret_cast<const uint4*>(p.x);
+  const bool check = p.status != nullptr;
+  int32_t status = 0, dummy = 0;
+
+  auto load_item = [&](int64_t it, uint4 (&raw)[TPT]) {
+    const int64_t grp = it / C, t0 = (it % C) * TC;
+    const uint4* src = x + (grp * G + t0 + s) * CPL + k;
+#pragma unroll
+    for (int i = 0; i < TPT; ++i)
+      if (t0 + s + i * S < G) raw[i] = __ldcs(src + (int64_t)i * S * CPL);
+  };
+  uint4 cur[TPT], nxt[TPT];
+  int64_t it = blockIdx.x;
+  if (it < items) load_item(it, cur);
+  for (; it < items; it += gridDim.x) {
+    const int64_t grp = it / C, t0 = (it % C) * TC;
+    // 1. tile min/max -> partial
+    RawMinMax<DType> mm;
+    mm.init();
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      if (t0 + s + i * S < G) {
+        mm.update(cur[i]);
+        if (check) {
+          const DType* e = reinterpret_cast<const DType*>(&cur[i]);
+#pragma unroll
+          for (int q = 0; q < VE; ++q) status |= value_status(to_float(e[q]));
+        }
+      }
+    }
+    s_mn[threadIdx.x] = mm.mn;
+    s_mx[threadIdx.x] = mm.mx;
+    __syncthreads();
+    {
+      const DType* emn = reinterpret_cast<const DType*>(s_mn);
+      const DType* emx = reinterpret_cast<const DType*>(s_mx);
+      for (int c = threadIdx.x; c < D; c += 256) {
+        float a = INFINITY, b = -INFINITY;
+#pragma unroll 4
+        for (int q = 0; q < S; ++q) {
+          a = fminf(a, to_float(emn[q * D + c]));
+          b = fmaxf(b, to_float(emx[q * D + c]));
+        }
+        part[it * 2 * D + c] = a;
+        part[it * 2 * D + D + c] = b;
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(cnt + grp, 1) == (int)(C - 1);
+    __syncthreads();
+    // prefetch the next item (in flight during the wait and the pack)
+    const int64_t itn = it + gridDim.x;
+    if (itn < items) load_item(itn, nxt);
+    if (s_last) {
+      // 2. last arrival: qparams of the group from its C partials (chunk order)
+      __threadfence();
+      for (int c = threadIdx.x; c < D; c += 256) {
+        float a = INFINITY, b = -INFINITY;
+        const float* pp = part + grp * C * 2 * D + c;
+        for (int64_t j = 0; j < C; ++j) {
+          a = fminf(a, __ldcg(pp + j * 2 * D));
+          b = fmaxf(b, __ldcg(pp + j * 2 * D + D));
+        }
+        const QParams q = make_qparams(a, b, BITS);
+        p.scale[grp * D + c] = q.s16;
+        p.zero[grp * D + c] = q.z16;
+        s_qp[c] = q.zero;
+        s_qp[D + c] = q.inv;
+        __stcg(qpw + grp * 2 * D + c, q.zero);
+        __stcg(qpw + grp * 2 * D + D + c, q.inv);
+      }
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) atomicExch(ready + grp, 1);
+    } else {
+      if (threadIdx.x == 0) {
+        const long long start = clock64();
+        while (ld_acquire_gpu(ready + grp) == 0) {
+          __nanosleep(64);
+          if (clock64() - start > (1ll << 32)) __trap();  // ~2 s: never expected
+        }
+        __threadfence();
+      }
+      __syncthreads();
+      for (int c = threadIdx.x; c < 2 * D; c += 256) s_qp[c] = __ldcg(qpw + grp * 2 * D + c);
+      __syncthreads();
+    }
+    // 3. pack the tile from registers
+    float z[VE], inv[VE];
+    load_qp<VE>(s_qp, s_qp + D, k, z, inv);
+    int32_t* codes = p.codes + (grp * G + t0 + s) * W;
+#pragma unroll
+    for (int i = 0; i < TPT; ++i)
+      if (t0 + s + i * S < G)
+        quantize_pack_store<DType, BITS>(cur[i], z, inv, codes + (int64_t)i * S * W, k, false, dummy);
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) cur[i] = nxt[i];
+    __syncthreads();  // s_mn / s_mx / s_qp / s_last are rewritten by the next item
+  }
+  if (check) report_status(p.status, status);
+}
+
+// ---------------------------------------------------------------------------
 // Per-channel dequantization: a thread owns VE channels (one 16-byte store per token) and
 // loops over a chunk of one group's tokens with that group's scale / zero in registers.
 // Code -> float by OR-ing it into the mantissa of 2^23 and subtracting 2^23 (exact).
@@ -985,7 +1140,62 @@ int64_t GroupQuantizeWsFloats(const GroupQuantParams& p) {
   if (!p.per_channel || p.group < 256 || p.N * p.T == 0) return 0;
   if (per_channel_tile_threads<DType, D>(p.group) > 0) return 0;
   const SplitPlan sp = split_plan(p, num_sms());
-  return sp.ng * 2 * D * (sp.chunks + 1);
+  const int64_t split = sp.ng * 2 * D * (sp.chunks + 1);
+  // cooperative single-pass kernel: partials per item, qparams per group, 2 int32 per group
+  const int64_t items = sp.ng * kcvt_chunks(p.group, KcvtShape<DType, D>::TC);
+  const int64_t coop = items * 2 * D + sp.ng * 2 * D + 2 * sp.ng;
+  return split > coop ? split : coop;
+}
+
+/// \brief KCVT quantize in one cooperative launch (GroupQuantizeKcvtKernel).  Returns false,
+/// having launched nothing but possibly a memset, where that path does not apply: during stream
+/// capture (graphs keep the split path), on devices without cooperative launch, when a group has
+/// more chunks than resident blocks, when the launch is refused, or with KVQ_KCVT_SPLIT=1 set.
+template <typename DType, int D, int BITS>
+bool LaunchKcvtCooperative(const GroupQuantParams& p, cudaStream_t stream) {
+  static const bool disabled = [] {
+    const char* e = std::getenv("KVQ_KCVT_SPLIT");
+    return e != nullptr && e[0] == '1';
+  }();
+  static const bool coop_ok = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      v = 0;
+    }
+    return v != 0;
+  }();
+  if (disabled || !coop_ok) return false;
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (cs != cudaStreamCaptureStatusNone) return false;
+  static const int per_sm = resident_blocks(GroupQuantizeKcvtKernel<DType, D, BITS>, 256);
+  const int64_t ng = p.N * (p.T / p.group);
+  const int64_t C = kcvt_chunks(p.group, KcvtShape<DType, D>::TC);
+  const int64_t items = ng * C;
+  int64_t grid = (int64_t)per_sm * num_sms();
+  if (grid > items) grid = items;
+  if (C > grid || grid < 1) return false;
+  int* flags = reinterpret_cast<int*>(p.ws + items * 2 * D + ng * 2 * D);
+  if (cudaMemsetAsync(flags, 0, 2 * ng * sizeof(int), stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  GroupQuantParams pc = p;
+  int64_t ngc = ng, cc = C;
+  void* args[] = {&pc, &ngc, &cc};
+  const cudaError_t e = cudaLaunchCooperativeKernel(
+      reinterpret_cast<const void*>(GroupQuantizeKcvtKernel<DType, D, BITS>), dim3((unsigned)grid),
+      dim3(256), args, 0, stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // e.g. cudaErrorCooperativeLaunchTooLarge: take the split path
+    return false;
+  }
+  return true;
 }
 
 /// \brief Quantize and pack.  Requires D in {32, 64, 128, 256}; see GroupQuantParams.
@@ -1001,6 +1211,7 @@ cudaError_t GroupQuantize(const GroupQuantParams& p, cudaStream_t stream) {
       GroupQuantizePerChannelTileKernel<DType, D, BITS, kTileTokensPerThread>
           <<<(unsigned)blocks, threads, smem, stream>>>(p);
     } else if (p.ws != nullptr && GroupQuantizeWsFloats<DType, EPL>(p) > 0) {
+      if (LaunchKcvtCooperative<DType, D, BITS>(p, stream)) return cudaSuccess;
       const SplitPlan sp = split_plan(p, num_sms());
       const unsigned nb = (unsigned)(sp.ng * sp.chunks);
       GroupMinMaxPartialKernel<DType, D><<<nb, 256, 0, stream>>>(p, sp.chunks, sp.tokens);
