@@ -192,7 +192,8 @@ __device__ __forceinline__ uint32_t vmin_nan(uint32_t a, uint32_t b) {
     asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(__uint_as_float(a)), "f"(__uint_as_float(b)));
     return __float_as_uint(r);
   } else if constexpr (std::is_same<DType, half_t>::value) {
-    __half2 r = __hmin2_nan(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    __half2 r = __hmin2_nan(*reinterpret_cast<const __half2*>(&a),
+                            *reinterpret_cast<const __half2*>(&b));
     return *reinterpret_cast<const uint32_t*>(&r);
   } else {
     __nv_bfloat162 r = __hmin2_nan(*reinterpret_cast<const __nv_bfloat162*>(&a),
@@ -207,7 +208,8 @@ __device__ __forceinline__ uint32_t vmax_nan(uint32_t a, uint32_t b) {
     asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(__uint_as_float(a)), "f"(__uint_as_float(b)));
     return __float_as_uint(r);
   } else if constexpr (std::is_same<DType, half_t>::value) {
-    __half2 r = __hmax2_nan(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    __half2 r = __hmax2_nan(*reinterpret_cast<const __half2*>(&a),
+                            *reinterpret_cast<const __half2*>(&b));
     return *reinterpret_cast<const uint32_t*>(&r);
   } else {
     __nv_bfloat162 r = __hmax2_nan(*reinterpret_cast<const __nv_bfloat162*>(&a),
@@ -774,13 +776,14 @@ __global__ void __launch_bounds__(256) GroupQuantizeChunkKernel(GroupQuantParams
 //      fp32 partials ws part[item][2][D]; __threadfence; atomicAdd on the group's counter.
 //   2. the block that arrives last reduces the group's C partials in chunk order, writes scale /
 //      zero and ws qp[group][2][D] (zero, inv), __threadfence, sets the group's ready flag.
-//   3. the other blocks issue the loads of their next item, then wait for the ready flag; every
-//      block packs its tile from registers with the group's qparams (quantize_pack_store, the
-//      tile kernel's arithmetic: bit-identical to the CPU op).
+//   3. the other blocks wait for the ready flag; every block packs its tile from registers with
+//      the group's qparams (quantize_pack_store, the tile kernel's arithmetic: bit-identical to
+//      the CPU op).  The loads of a block's next item are issued when it starts an item, so they
+//      are in flight through steps 1-3.
 // No deadlock: every block is resident (cooperative launch, grid <= resident capacity) and a
 // group's C <= gridDim.x items are consecutive, so each of them is the next item of its block
 // once all lower-numbered items are past their wait (induction on the lowest waiting item).
-// A wait longer than ~2 s traps (a launch error instead of a hang) -- never expected.
+// A wait longer than ~35 s traps (a launch error instead of a hang) -- never expected.
 // Workspace: part [NG * C][2][D] floats, qp [NG][2][D] floats, then 2 * NG int32 (arrival
 // counters, ready flags; zeroed by the launcher with cudaMemsetAsync).
 // ---------------------------------------------------------------------------
@@ -831,6 +834,9 @@ __global__ void __launch_bounds__(256, 2) GroupQuantizeKcvtKernel(GroupQuantPara
   if (it < items) load_item(it, cur);
   for (; it < items; it += gridDim.x) {
     const int64_t grp = it / C, t0 = (it % C) * TC;
+    // the next item's loads stay in flight through this item's min/max, wait and pack
+    const int64_t itn = it + gridDim.x;
+    if (itn < items) load_item(itn, nxt);
     // 1. tile min/max -> partial
     RawMinMax<DType> mm;
     mm.init();
@@ -866,9 +872,6 @@ __global__ void __launch_bounds__(256, 2) GroupQuantizeKcvtKernel(GroupQuantPara
     __syncthreads();
     if (threadIdx.x == 0) s_last = atomicAdd(cnt + grp, 1) == (int)(C - 1);
     __syncthreads();
-    // prefetch the next item (in flight during the wait and the pack)
-    const int64_t itn = it + gridDim.x;
-    if (itn < items) load_item(itn, nxt);
     if (s_last) {
       // 2. last arrival: qparams of the group from its C partials (chunk order)
       __threadfence();
@@ -895,7 +898,7 @@ __global__ void __launch_bounds__(256, 2) GroupQuantizeKcvtKernel(GroupQuantPara
         const long long start = clock64();
         while (ld_acquire_gpu(ready + grp) == 0) {
           __nanosleep(64);
-          if (clock64() - start > (1ll << 32)) __trap();  // ~2 s: never expected
+          if (clock64() - start > (1ll << 36)) __trap();  // ~35 s: never expected
         }
         __threadfence();
       }
@@ -910,7 +913,8 @@ __global__ void __launch_bounds__(256, 2) GroupQuantizeKcvtKernel(GroupQuantPara
 #pragma unroll
     for (int i = 0; i < TPT; ++i)
       if (t0 + s + i * S < G)
-        quantize_pack_store<DType, BITS>(cur[i], z, inv, codes + (int64_t)i * S * W, k, false, dummy);
+        quantize_pack_store<DType, BITS>(cur[i], z, inv, codes + (int64_t)i * S * W, k, false,
+                                         dummy);
 #pragma unroll
     for (int i = 0; i < TPT; ++i) cur[i] = nxt[i];
     __syncthreads();  // s_mn / s_mx / s_qp / s_last are rewritten by the next item
@@ -1225,7 +1229,8 @@ cudaError_t GroupQuantize(const GroupQuantParams& p, cudaStream_t stream) {
     }
   } else if (p.group % 32 == 0) {
     constexpr int THREADS = per_token_tile_warps<DType>() * 32;
-    static const int per_sm = resident_blocks(GroupQuantizePerTokenTileKernel<DType, BITS>, THREADS);
+    static const int per_sm =
+        resident_blocks(GroupQuantizePerTokenTileKernel<DType, BITS>, THREADS);
     const int64_t tiles = (p.N * p.T * (p.D / 32) + 31) / 32;
     int64_t blocks = (tiles + THREADS / 32 - 1) / (THREADS / 32);
     const int64_t cap = (int64_t)num_sms() * per_sm;  // one wave; warps stride over tiles
