@@ -870,7 +870,10 @@ __global__ void __launch_bounds__(256, 2) GroupQuantizeKcvtKernel(GroupQuantPara
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) s_last = atomicAdd(cnt + grp, 1) == (int)(C - 1);
+    if (threadIdx.x == 0) {
+      __threadfence();  // the block's partials (fenced by each writer) before the arrival
+      s_last = atomicAdd(cnt + grp, 1) == (int)(C - 1);
+    }
     __syncthreads();
     if (s_last) {
       // 2. last arrival: qparams of the group from its C partials (chunk order)
@@ -892,7 +895,10 @@ __global__ void __launch_bounds__(256, 2) GroupQuantizeKcvtKernel(GroupQuantPara
       }
       __threadfence();
       __syncthreads();
-      if (threadIdx.x == 0) atomicExch(ready + grp, 1);
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicExch(ready + grp, 1);
+      }
     } else {
       if (threadIdx.x == 0) {
         const long long start = clock64();
