@@ -2,6 +2,9 @@
 device-to-device copy measured in the same run.
 
     python bench/bench_group_quant.py [--shape 8 8 4096 128]
+
+KVQ_KCVT_SPLIT=1 makes the KCVT rows use the three-launch split path instead of the cooperative
+single-pass kernel (read once per process), for an A/B comparison.
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ def main(argv=None):
              ("key per-channel", True, 32, 4), ("key per-channel", True, 128, 4), ("key per-channel", True, 32, 8),
              ("KCVT key (whole channel)", True, -1, 2),
              ("value per-token", False, 32, 2), ("value per-token", False, 32, 4), ("value per-token", False, -1, 4),
+             ("value per-token", False, 64, 2), ("value per-token", False, 128, 2), ("value per-token", False, 128, 4),
+             ("value per-token", False, -1, 2),
              ("KCVT key (whole channel)", True, -1, 4)]
     for name, pc, G, bits in cases:
         c, s, z = kvq.quantize(x, bits, G, pc, check_finite=False)

@@ -335,3 +335,147 @@ def test_cuda_per_channel_dequantize_unaligned_scale(dtype, bits, D):
     torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2e-3, atol=1e-5)
     out = kvq.dequantize(c.cuda(), s.cuda(), z.cuda(), bits, True, dtype)
     torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2e-3, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- per-token kernels (v7)
+# Per-token quantize with G % 32 == 0 runs the tile kernel (a warp stages 32 chunks of 32 channels
+# through shared memory with cp.async; fast path without clamps when its tile is finite and within
+# fp16 range, the CPU op's arithmetic otherwise); G = 8 / 16 run the warp-per-row kernel.  Per-token
+# dequantize runs the thread-per-16-bytes kernel.  Codes, scales, zeros and dequantized values must
+# equal the CPU op's exactly (code * scale is exact in fp32, so fmaf == the CPU's mul + add).
+def _per_token_both(x, bits, G, check_finite=True):
+    c1, s1, z1 = kvq.quantize(x, bits, G, False, check_finite=check_finite)
+    c2, s2, z2 = kvq.quantize(x.cuda(), bits, G, False, check_finite=check_finite)
+    assert torch.equal(s1, s2.cpu()), "scale differs"
+    assert torch.equal(z1, z2.cpu()), "zero differs"
+    assert torch.equal(c1, c2.cpu()), "codes differ"
+    dtype = x.dtype
+    o1 = kvq.dequantize(c1, s1, z1, bits, False, dtype)
+    o2 = kvq.dequantize(c2, s2, z2, bits, False, dtype)
+    o2 = o2.cpu()
+    nan = o1.isnan()
+    assert torch.equal(nan, o2.isnan()) and torch.equal(o1[~nan], o2[~nan]), "dequantize differs"
+    return c2, s2, z2
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 17, 255, 1025])
+@pytest.mark.parametrize("D", [32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_per_token_exact(T, D, dtype, bits):
+    x = make_kv(3, 2, T, D, dtype)
+    for G in (8, 16, 32, 64, 128, D):
+        if G <= D and D % G == 0:
+            _per_token_both(x, bits, G)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_cuda_per_token_many_tiles_per_warp(dtype, bits):
+    """More 32-chunk tiles than resident warps (each warp loops, double-buffered), partial last tile."""
+    x = make_kv(2, 8, 4099, 128, dtype)
+    for G in (32, 128):
+        _per_token_both(x, bits, G)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G", [32, 64, 128])
+def test_cuda_per_token_nonfinite_check_off(dtype, G):
+    """NaN / Inf / out-of-range tiles take the exact fallback; other tiles the fast path."""
+    x = make_kv(2, 3, 300, 128, dtype)
+    x[0, 0, 5, 7] = float("nan")
+    x[0, 1, 17, 64] = float("inf")
+    x[1, 2, 299, 127] = -float("inf")
+    x[1, 0, 100, 0:128:16] = float("nan")
+    if dtype != torch.float16:
+        x[1, 1, 50, 3] = 1e6  # finite, beyond fp16 range
+        x[1, 1, 51, 40] = -1e6
+    for bits in BITS:
+        _per_token_both(x, bits, G, check_finite=False)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("G", [16, 32, 128])
+def test_cuda_per_token_status(dtype, G):
+    x = make_kv(2, 3, 77, 128, dtype, "cuda")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[1, 2, 76, 127] = bad
+        with pytest.raises(RuntimeError, match="'x' contains NaN or Inf"):
+            kvq.quantize(y, 4, G, False)
+    if dtype != torch.float16:
+        y = x.clone()
+        y[0, 0, 3, 5] = 1e6
+        with pytest.raises(RuntimeError, match="65504"):
+            kvq.quantize(y, 4, G, False)
+    kvq.quantize(x, 4, G, False)  # clean input: no error
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_per_token_constant_and_extreme_groups(dtype, bits):
+    # constants representable in fp16 and bf16 (the extremes stay below 65504 after bf16 rounding)
+    vals = torch.tensor([0.0, -3.5, 1.25, 1000.0, -0.0078125, 60000.0, -60000.0])
+    x = vals[torch.randint(0, len(vals), (2, 2, 40, 8))].repeat_interleave(32, dim=-1).to(dtype)
+    x[1, 1, 7, :] = torch.linspace(-60000, 60000, 256).to(dtype)  # near-full-range groups
+    for G in (32, 64, 256):
+        c, s, z = _per_token_both(x, bits, G)
+    c, s, z = kvq.quantize(x.cuda(), bits, 32, False)
+    out = kvq.dequantize(c, s, z, bits, False, dtype)
+    const = (s == 0).repeat_interleave(32, dim=-1)
+    assert torch.equal(out[const].cpu(), x[const.cpu()])
+
+
+@requires_cuda
+def test_cuda_per_token_non_contiguous_exact():
+    base = make_kv(2, 4, 96, 128, torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+    assert not base.is_contiguous()
+    for bits in BITS:
+        _per_token_both(base, bits, 32)
+
+
+# ----------------------------------------------------------------------------- KCVT cooperative (v7)
+# Per-channel groups of >= 256 tokens that the tile kernel does not take run one cooperative
+# kernel (tile in registers while the group's min/max completes across blocks) outside stream
+# capture, and the split-T kernels inside it.  Both must equal the CPU op exactly.
+@requires_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 4])
+def test_cuda_kcvt_many_items_per_block(dtype, bits):
+    """More (group, chunk) items than resident blocks; groups straddle rounds; partial chunk."""
+    x = make_kv(4, 6, 4100, 128, dtype)
+    x[1, 2, 4099, 5] = 30.0  # extreme in the partial last chunk
+    x[3, 5, 0, 127] = -30.0
+    _quantize_both(x, bits, -1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [32, 64, 256])
+def test_cuda_kcvt_head_dims(D):
+    x = make_kv(3, 2, 3001, D, torch.float16)
+    for bits in BITS:
+        _quantize_both(x, bits, -1)
+
+
+@requires_cuda
+def test_cuda_kcvt_graph_capture_matches_eager():
+    """Inside stream capture the split path runs (cooperative launches are not captured)."""
+    x = make_kv(2, 4, 2048, 128, torch.float16, "cuda")
+    ref = kvq.quantize(x, 2, -1, True, check_finite=False)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        kvq.quantize(x, 2, -1, True, check_finite=False)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = kvq.quantize(x, 2, -1, True, check_finite=False)
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)

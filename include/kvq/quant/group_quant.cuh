@@ -9,6 +9,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <type_traits>
 
 #include "kvq/common/half.h"
@@ -140,73 +141,251 @@ __global__ void GroupQuantizePerTokenKernel(GroupQuantParams p) {
 }
 
 // ---------------------------------------------------------------------------
-// Per-token quantization for G a multiple of 32: one lane per 32-channel chunk of a row.
-// A warp covers 32 consecutive chunks (2 KB of fp16, contiguous); a lane reduces its chunk
-// in registers, G / 32 lanes combine a group with xor shuffles, and each lane packs its 32
-// codes into BITS whole words (one vector store).  Versus the warp-per-row kernel this drops
-// the per-element shuffles and the redundant per-lane scale computation (8 lanes per group
-// at G = 32, D = 128).  Same make_qparams / quant_code: bit-identical codes and scales.
+// Per-token quantization for G a multiple of 32 (v7): one lane per 32-channel chunk of a row,
+// chunks staged through shared memory so that every global access is coalesced.
+//
+// A warp owns "tiles" of 32 consecutive chunks (2 KB of 16-bit input, 4 KB of fp32; rows never
+// straddle a tile since D / 32 divides 32).  It copies tile k + 1 into its second shared-memory
+// buffer with 16-byte cp.async (lane l copies vectors u * 32 + l: 512 contiguous bytes per
+// warp instruction) while it works on tile k, then each lane reads its own chunk (NV 16-byte
+// vectors).  The buffer index is XOR-swizzled (s ^ ((s >> 3) & 7)) so that both the copy and the
+// per-lane read hit 8 distinct 16-byte bank groups per quarter warp.
+//
+// Per chunk: min/max on the raw 16-bit values (HMNMX2, NaN-propagating, two elements per
+// instruction), G / 32 lanes combine with xor shuffles, each lane computes the group's
+// make_qparams and packs its 32 codes into BITS words (one 8/16-byte store).  Codes by the
+// 1.5 * 2^23 add and one shift-add each, as in the per-channel tile kernel (see the comment
+// above quantize_pack_store): bit-identical to quant_code() when every value of the group is
+// finite with |x| <= kMaxAbs (then q = (x - zero) * inv lies in [0, maxq * (1 + 2^-22)], so
+// neither clamp can change the rounded code).  A warp whose tile holds any NaN, Inf or
+// |x| > kMaxAbs takes the exact fallback instead: NaN-ignoring fminf/fmaxf, quant_code()
+// and value_status() per element, i.e. literally the CPU op's arithmetic.  The fast path never
+// sees a value that could set a status flag, so it skips the per-element check.
 // ---------------------------------------------------------------------------
+/// \brief Sum over the first M codes of a word of (bits of 1.5 * 2^23) << (i * BITS), mod 2^32.
+template <int BITS>
+__host__ __device__ constexpr uint32_t magic_word_sum(int m) {
+  uint32_t s = 0;
+  for (int i = 0; i < m; ++i) s += 0x4b400000u << (i * BITS);
+  return s;
+}
+
+/// 16-byte cp.async to a shared-memory address (as from __cvta_generic_to_shared).
+__device__ __forceinline__ void gq_cp_async16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void gq_cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void gq_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+/// 16-byte slot swizzle of a warp tile buffer (bijective inside every aligned 8-slot block).
+__device__ __forceinline__ int gq_swz(int s) { return s ^ ((s >> 3) & 7); }
+
+/// \brief NaN-propagating elementwise min / max of two words of packed DType (raw bits).
+template <typename DType>
+__device__ __forceinline__ uint32_t vmin_nan(uint32_t a, uint32_t b) {
+  if constexpr (sizeof(DType) == 4) {
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(__uint_as_float(a)), "f"(__uint_as_float(b)));
+    return __float_as_uint(r);
+  } else if constexpr (std::is_same<DType, half_t>::value) {
+    __half2 r = __hmin2_nan(*reinterpret_cast<const __half2*>(&a),
+                            *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  } else {
+    __nv_bfloat162 r = __hmin2_nan(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+}
+template <typename DType>
+__device__ __forceinline__ uint32_t vmax_nan(uint32_t a, uint32_t b) {
+  if constexpr (sizeof(DType) == 4) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(__uint_as_float(a)), "f"(__uint_as_float(b)));
+    return __float_as_uint(r);
+  } else if constexpr (std::is_same<DType, half_t>::value) {
+    __half2 r = __hmax2_nan(*reinterpret_cast<const __half2*>(&a),
+                            *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  } else {
+    __nv_bfloat162 r = __hmax2_nan(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&r);
+  }
+}
+
+/// \brief min / max of a 32-value chunk (NV raw 16-byte vectors), NaN-propagating; `bad` is set
+/// when the chunk holds a NaN, an infinity or a magnitude above kMaxAbs.
+template <typename DType, int NV>
+__device__ __forceinline__ void chunk_minmax_fast(const uint4 (&r)[NV], float& mn, float& mx,
+                                                  bool& bad) {
+  constexpr int NW = 4 * NV;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(r);
+  uint32_t a[4], b[4];  // four independent chains, then a 2-level tree
+#pragma unroll
+  for (int j = 0; j < 4; ++j) a[j] = b[j] = w[j];
+#pragma unroll
+  for (int i = 4; i < NW; ++i) {
+    a[i % 4] = vmin_nan<DType>(a[i % 4], w[i]);
+    b[i % 4] = vmax_nan<DType>(b[i % 4], w[i]);
+  }
+  a[0] = vmin_nan<DType>(vmin_nan<DType>(a[0], a[1]), vmin_nan<DType>(a[2], a[3]));
+  b[0] = vmax_nan<DType>(vmax_nan<DType>(b[0], b[1]), vmax_nan<DType>(b[2], b[3]));
+  if constexpr (sizeof(DType) == 4) {
+    mn = __uint_as_float(a[0]);
+    mx = __uint_as_float(b[0]);
+    bad = !(mn >= -kMaxAbs && mx <= kMaxAbs);  // false for NaN
+  } else {
+    const DType* ea = reinterpret_cast<const DType*>(&a[0]);
+    const DType* eb = reinterpret_cast<const DType*>(&b[0]);
+    const float a0 = to_float(ea[0]), a1 = to_float(ea[1]);
+    const float b0 = to_float(eb[0]), b1 = to_float(eb[1]);
+    mn = fminf(a0, a1);
+    mx = fmaxf(b0, b1);
+    bad = !(a0 >= -kMaxAbs && a1 >= -kMaxAbs && b0 <= kMaxAbs && b1 <= kMaxAbs);
+  }
+}
+
+/// \brief Codes of a 32-value chunk packed into BITS words (fast path; see the comment above).
+template <typename DType, int NV, int BITS>
+__device__ __forceinline__ void quantize_chunk_fast(const uint4 (&r)[NV], float z, float inv,
+                                                    uint32_t (&w)[BITS]) {
+  constexpr int CPW = 32 / BITS;
+  const DType* e = reinterpret_cast<const DType*>(r);
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    // _rn intrinsics: never contracted into an FFMA (the rounding of each step matters)
+    const float q = __fmul_rn(__fsub_rn(to_float(e[i]), z), inv);
+    const uint32_t b = __float_as_uint(__fadd_rn(q, 12582912.f));  // 0x4b400000 + rint(q)
+    const int j = i / CPW, sh = (i % CPW) * BITS;
+    w[j] = (i % CPW == 0) ? b : w[j] + (b << sh);
+  }
+#pragma unroll
+  for (int j = 0; j < BITS; ++j) w[j] -= magic_word_sum<BITS>(CPW);
+}
+
+template <int BITS>
+__device__ __forceinline__ void store_chunk_words(int32_t* dst, const uint32_t (&w)[BITS]) {
+  if constexpr (BITS == 2) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < BITS; k += 4)
+      *reinterpret_cast<uint4*>(dst + k) = make_uint4(w[k], w[k + 1], w[k + 2], w[k + 3]);
+  }
+}
+
+/// Warps per block of the per-token tile kernel (2 buffers x 32 chunks each: 32 KB per block).
+template <typename DType>
+constexpr int per_token_tile_warps() {
+  return sizeof(DType) == 4 ? 4 : 8;
+}
+
 template <typename DType, int BITS>
-__global__ void __launch_bounds__(256) GroupQuantizePerTokenChunkKernel(GroupQuantParams p) {
-  constexpr int CH = 32;
-  constexpr int VE = 16 / (int)sizeof(DType);  // elements per 16-byte load
+__global__ void __launch_bounds__(per_token_tile_warps<DType>() * 32)
+    GroupQuantizePerTokenTileKernel(GroupQuantParams p, int lpg_log2) {
+  constexpr int WARPS = per_token_tile_warps<DType>();
+  constexpr int NV = 2 * (int)sizeof(DType);  // 16-byte vectors per 32-channel chunk
+  constexpr int TV = 32 * NV;                 // vectors per tile
   constexpr float MAXQ = (float)((1 << BITS) - 1);
-  constexpr int CPW = 32 / BITS;  // codes per word
-  const int lane = threadIdx.x % 32;
-  const int64_t items = p.N * p.T * (p.D / CH);
-  const int lpg = (int)(p.group / CH);  // lanes per group: 1, 2, 4 or 8
-  const DType* x = static_cast<const DType*>(p.x);
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  constexpr int CPW = 32 / BITS;
+  __shared__ __align__(16) uint4 s_tile[WARPS][2][TV];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t chunks = p.N * p.T * (p.D / 32);
+  const int64_t tiles = (chunks + 31) / 32;
+  const int64_t nvec = chunks * NV;
+  const int64_t tstride = (int64_t)gridDim.x * WARPS;
+  const int lpg = 1 << lpg_log2;  // lanes per group: 1, 2, 4 or 8
+  const uint4* src = static_cast<const uint4*>(p.x);
+  const bool check = p.status != nullptr;
   int32_t status = 0;
-  for (int64_t base = (int64_t)blockIdx.x * blockDim.x + threadIdx.x - lane; base < items; base += stride) {
-    const int64_t it = base + lane;
-    const bool valid = it < items;  // groups never straddle the end (items, G/32 | D/32)
-    float v[CH];
-    if (valid) {
-      const uint4* src = reinterpret_cast<const uint4*>(x + it * CH);
+  // shared-memory byte address of this lane's copy slot u in buffer 0 (buffer 1: + TV * 16)
+  const uint32_t sbase = (uint32_t)__cvta_generic_to_shared(&s_tile[warp][0][0]);
+  uint32_t sdst[NV];
 #pragma unroll
-      for (int u = 0; u < CH / VE; ++u) {
-        const uint4 raw = src[u];
-        const DType* e = reinterpret_cast<const DType*>(&raw);
+  for (int u = 0; u < NV; ++u) sdst[u] = sbase + 16u * (uint32_t)gq_swz(u * 32 + lane);
+  auto issue = [&](int64_t t, int buf) {
+    const uint4* g = src + t * TV + lane;
+    const uint32_t off = (uint32_t)buf * (TV * 16);
+    if ((t + 1) * TV <= nvec) {  // whole tile in range (all but possibly the last one)
 #pragma unroll
-        for (int k = 0; k < VE; ++k) v[u * VE + k] = to_float(e[k]);
+      for (int u = 0; u < NV; ++u) gq_cp_async16(sdst[u] + off, g + u * 32);
+    } else {
+#pragma unroll
+      for (int u = 0; u < NV; ++u)
+        if (t * TV + u * 32 + lane < nvec) gq_cp_async16(sdst[u] + off, g + u * 32);
+    }
+  };
+  int64_t t = (int64_t)blockIdx.x * WARPS + warp;
+  if (t < tiles) issue(t, 0);
+  gq_cp_async_commit();
+  for (int b = 0; t < tiles; t += tstride, b ^= 1) {  // warp-uniform loop
+    if (t + tstride < tiles) issue(t + tstride, b ^ 1);
+    gq_cp_async_commit();
+    gq_cp_async_wait<1>();  // this lane's copies of tile t have landed
+    __syncwarp();           // ... and every other lane's
+    uint4 r[NV];
+#pragma unroll
+    for (int v = 0; v < NV; ++v) r[v] = s_tile[warp][b][gq_swz(lane * NV + v)];
+    __syncwarp();  // buffer b is refilled at the next iteration
+    const int64_t c = t * 32 + lane;  // this lane's chunk
+    const bool valid = c < chunks;    // groups never straddle the end (G / 32 | D / 32)
+    float mn, mx;
+    bool bad;
+    chunk_minmax_fast<DType, NV>(r, mn, mx, bad);
+    if (!__any_sync(kFullMask, bad && valid)) {
+      for (int o = 1; o < lpg; o <<= 1) {
+        mn = fminf(mn, __shfl_xor_sync(kFullMask, mn, o));
+        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
+      }
+      if (valid) {
+        const QParams q = make_qparams(mn, mx, BITS);
+        if ((lane & (lpg - 1)) == 0) {
+          p.scale[c >> lpg_log2] = q.s16;
+          p.zero[c >> lpg_log2] = q.z16;
+        }
+        uint32_t w[BITS];
+        quantize_chunk_fast<DType, NV, BITS>(r, q.zero, q.inv, w);
+        store_chunk_words<BITS>(p.codes + c * BITS, w);
       }
     } else {
+      // exact fallback: the CPU op's arithmetic, element by element
+      const DType* e = reinterpret_cast<const DType*>(r);
+      mn = INFINITY;
+      mx = -INFINITY;
 #pragma unroll
-      for (int k = 0; k < CH; ++k) v[k] = 0.f;
-    }
-    float mn = v[0], mx = v[0];
+      for (int i = 0; i < 32; ++i) {
+        const float v = to_float(e[i]);
+        if (check && valid) status |= value_status(v);
+        mn = fminf(mn, v);
+        mx = fmaxf(mx, v);
+      }
+      for (int o = 1; o < lpg; o <<= 1) {
+        mn = fminf(mn, __shfl_xor_sync(kFullMask, mn, o));
+        mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
+      }
+      if (valid) {
+        const QParams q = make_qparams(mn, mx, BITS);
+        if ((lane & (lpg - 1)) == 0) {
+          p.scale[c >> lpg_log2] = q.s16;
+          p.zero[c >> lpg_log2] = q.z16;
+        }
+        uint32_t w[BITS];
 #pragma unroll
-    for (int k = 0; k < CH; ++k) {
-      if (p.status) status |= value_status(v[k]);
-      mn = fminf(mn, v[k]);
-      mx = fmaxf(mx, v[k]);
-    }
-    for (int o = 1; o < lpg; o <<= 1) {
-      mn = fminf(mn, __shfl_xor_sync(kFullMask, mn, o));
-      mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
-    }
-    if (!valid) continue;
-    const QParams q = make_qparams(mn, mx, BITS);
-    if (lane % lpg == 0) {  // it % lpg == 0: the group's first chunk
-      p.scale[it / lpg] = q.s16;
-      p.zero[it / lpg] = q.z16;
-    }
-    uint32_t w[BITS];
+        for (int k = 0; k < BITS; ++k) w[k] = 0u;
 #pragma unroll
-    for (int k = 0; k < BITS; ++k) w[k] = 0u;
-#pragma unroll
-    for (int k = 0; k < CH; ++k) w[k / CPW] |= quant_code(v[k], q.zero, q.inv, MAXQ) << ((k % CPW) * BITS);
-    int32_t* dst = p.codes + it * BITS;
-    if constexpr (BITS == 2) {
-      *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < BITS; k += 4) *reinterpret_cast<uint4*>(dst + k) = make_uint4(w[k], w[k + 1], w[k + 2], w[k + 3]);
+        for (int i = 0; i < 32; ++i)
+          w[i / CPW] |= quant_code(to_float(e[i]), q.zero, q.inv, MAXQ) << ((i % CPW) * BITS);
+        store_chunk_words<BITS>(p.codes + c * BITS, w);
+      }
     }
   }
-  report_status(p.status, status);
+  gq_cp_async_wait<0>();
+  if (check) report_status(p.status, status);
 }
 
 // ---------------------------------------------------------------------------
@@ -347,13 +526,6 @@ struct RawMinMax {
   }
 };
 
-/// \brief Sum over the first M codes of a word of (bits of 1.5 * 2^23) << (i * BITS), mod 2^32.
-template <int BITS>
-__host__ __device__ constexpr uint32_t magic_word_sum(int m) {
-  uint32_t s = 0;
-  for (int i = 0; i < m; ++i) s += 0x4b400000u << (i * BITS);
-  return s;
-}
 
 /// \brief Quantize the VE values of one 16-byte load and store their VE * BITS packed bits at
 /// byte offset k * VE * BITS / 8 of the codes row (LSB-first, little-endian).
@@ -595,6 +767,168 @@ __global__ void __launch_bounds__(256) GroupQuantizeChunkKernel(GroupQuantParams
 }
 
 // ---------------------------------------------------------------------------
+// Per-channel quantization of large groups (KCVT) in one cooperative launch (v7): the input is
+// read once.  Work items are (group, chunk of TC = S * TPT tokens); block b runs items b,
+// b + gridDim.x, ...  An item's tile stays in registers (thread = token slice s x 16-byte channel
+// segment k, TPT tokens, as in the tile kernel) while the group's min/max completes across
+// blocks:
+//   1. raw HMNMX2 min/max of the tile, combined over the slices in shared memory, written as
+//      fp32 partials ws part[item][2][D]; __threadfence; atomicAdd on the group's counter.
+//   2. the block that arrives last reduces the group's C partials in chunk order, writes scale /
+//      zero and ws qp[group][2][D] (zero, inv), __threadfence, sets the group's ready flag.
+//   3. the other blocks wait for the ready flag; every block packs its tile from registers with
+//      the group's qparams (quantize_pack_store, the tile kernel's arithmetic: bit-identical to
+//      the CPU op).  The loads of a block's next item are issued when it starts an item, so they
+//      are in flight through steps 1-3.
+// No deadlock: every block is resident (cooperative launch, grid <= resident capacity) and a
+// group's C <= gridDim.x items are consecutive, so each of them is the next item of its block
+// once all lower-numbered items are past their wait (induction on the lowest waiting item).
+// A wait longer than ~35 s traps (a launch error instead of a hang) -- never expected.
+// Workspace: part [NG * C][2][D] floats, qp [NG][2][D] floats, then 2 * NG int32 (arrival
+// counters, ready flags; zeroed by the launcher with cudaMemsetAsync).
+// ---------------------------------------------------------------------------
+constexpr int kKcvtTokensPerThread = 8;
+
+template <typename DType, int D>
+struct KcvtShape {
+  static constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE, S = 256 / CPL;
+  static constexpr int TPT = kKcvtTokensPerThread, TC = S * TPT;  // tokens per item
+};
+
+inline int64_t kcvt_chunks(int64_t G, int tc) { return (G + tc - 1) / tc; }
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+template <typename DType, int D, int BITS>
+__global__ void __launch_bounds__(256, 2) GroupQuantizeKcvtKernel(GroupQuantParams p, int64_t ng,
+                                                                   int64_t C) {
+  using Sh = KcvtShape<DType, D>;
+  constexpr int VE = Sh::VE, CPL = Sh::CPL, S = Sh::S, TPT = Sh::TPT, TC = Sh::TC;
+  constexpr int W = D * BITS / 32;
+  __shared__ uint4 s_mn[256], s_mx[256];
+  __shared__ __align__(16) float s_qp[2 * D];
+  __shared__ int s_last;
+  const int k = threadIdx.x % CPL, s = threadIdx.x / CPL;
+  const int64_t G = p.group, items = ng * C;
+  float* part = p.ws;
+  float* qpw = p.ws + items * 2 * D;
+  int* cnt = reinterpret_cast<int*>(qpw + ng * 2 * D);
+  int* ready = cnt + ng;
+  const uint4* x = reinterpret_cast<const uint4*>(p.x);
+  const bool check = p.status != nullptr;
+  int32_t status = 0, dummy = 0;
+
+  auto load_item = [&](int64_t it, uint4 (&raw)[TPT]) {
+    const int64_t grp = it / C, t0 = (it % C) * TC;
+    const uint4* src = x + (grp * G + t0 + s) * CPL + k;
+#pragma unroll
+    for (int i = 0; i < TPT; ++i)
+      if (t0 + s + i * S < G) raw[i] = __ldcs(src + (int64_t)i * S * CPL);
+  };
+  uint4 cur[TPT], nxt[TPT];
+  int64_t it = blockIdx.x;
+  if (it < items) load_item(it, cur);
+  for (; it < items; it += gridDim.x) {
+    const int64_t grp = it / C, t0 = (it % C) * TC;
+    // the next item's loads stay in flight through this item's min/max, wait and pack
+    const int64_t itn = it + gridDim.x;
+    if (itn < items) load_item(itn, nxt);
+    // 1. tile min/max -> partial
+    RawMinMax<DType> mm;
+    mm.init();
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      if (t0 + s + i * S < G) {
+        mm.update(cur[i]);
+        if (check) {
+          const DType* e = reinterpret_cast<const DType*>(&cur[i]);
+#pragma unroll
+          for (int q = 0; q < VE; ++q) status |= value_status(to_float(e[q]));
+        }
+      }
+    }
+    s_mn[threadIdx.x] = mm.mn;
+    s_mx[threadIdx.x] = mm.mx;
+    __syncthreads();
+    {
+      const DType* emn = reinterpret_cast<const DType*>(s_mn);
+      const DType* emx = reinterpret_cast<const DType*>(s_mx);
+      for (int c = threadIdx.x; c < D; c += 256) {
+        float a = INFINITY, b = -INFINITY;
+#pragma unroll 4
+        for (int q = 0; q < S; ++q) {
+          a = fminf(a, to_float(emn[q * D + c]));
+          b = fmaxf(b, to_float(emx[q * D + c]));
+        }
+        part[it * 2 * D + c] = a;
+        part[it * 2 * D + D + c] = b;
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();  // the block's partials (fenced by each writer) before the arrival
+      s_last = atomicAdd(cnt + grp, 1) == (int)(C - 1);
+    }
+    __syncthreads();
+    if (s_last) {
+      // 2. last arrival: qparams of the group from its C partials (chunk order)
+      __threadfence();
+      for (int c = threadIdx.x; c < D; c += 256) {
+        float a = INFINITY, b = -INFINITY;
+        const float* pp = part + grp * C * 2 * D + c;
+        for (int64_t j = 0; j < C; ++j) {
+          a = fminf(a, __ldcg(pp + j * 2 * D));
+          b = fmaxf(b, __ldcg(pp + j * 2 * D + D));
+        }
+        const QParams q = make_qparams(a, b, BITS);
+        p.scale[grp * D + c] = q.s16;
+        p.zero[grp * D + c] = q.z16;
+        s_qp[c] = q.zero;
+        s_qp[D + c] = q.inv;
+        __stcg(qpw + grp * 2 * D + c, q.zero);
+        __stcg(qpw + grp * 2 * D + D + c, q.inv);
+      }
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicExch(ready + grp, 1);
+      }
+    } else {
+      if (threadIdx.x == 0) {
+        const long long start = clock64();
+        while (ld_acquire_gpu(ready + grp) == 0) {
+          __nanosleep(64);
+          if (clock64() - start > (1ll << 36)) __trap();  // ~35 s: never expected
+        }
+        __threadfence();
+      }
+      __syncthreads();
+      for (int c = threadIdx.x; c < 2 * D; c += 256) s_qp[c] = __ldcg(qpw + grp * 2 * D + c);
+      __syncthreads();
+    }
+    // 3. pack the tile from registers
+    float z[VE], inv[VE];
+    load_qp<VE>(s_qp, s_qp + D, k, z, inv);
+    int32_t* codes = p.codes + (grp * G + t0 + s) * W;
+#pragma unroll
+    for (int i = 0; i < TPT; ++i)
+      if (t0 + s + i * S < G)
+        quantize_pack_store<DType, BITS>(cur[i], z, inv, codes + (int64_t)i * S * W, k, false,
+                                         dummy);
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) cur[i] = nxt[i];
+    __syncthreads();  // s_mn / s_mx / s_qp / s_last are rewritten by the next item
+  }
+  if (check) report_status(p.status, status);
+}
+
+// ---------------------------------------------------------------------------
 // Per-channel dequantization: a thread owns VE channels (one 16-byte store per token) and
 // loops over a chunk of one group's tokens with that group's scale / zero in registers.
 // Code -> float by OR-ing it into the mantissa of 2^23 and subtracting 2^23 (exact).
@@ -665,6 +999,69 @@ __global__ void __launch_bounds__(128) GroupDequantizePerChannelKernel(GroupQuan
 }
 
 // ---------------------------------------------------------------------------
+// Per-token dequantization (v7), G % VE == 0: a thread owns VE = 16 / sizeof(DType) consecutive
+// channels of one token (item i = row * D / VE + k): one 16-byte store (a warp stores 512
+// contiguous bytes), its VE * BITS code bits at byte i * VE * BITS / 8 of the packed rows, and
+// the scale / zero of its group, index i >> log2(G / VE).  U items per thread have their loads
+// issued before any is converted.  Arithmetic as the per-channel kernel: code -> float through
+// the 2^23 mantissa trick (exact), then fmaf (code * scale is exact, so this equals the CPU's
+// code * scale + zero).
+// ---------------------------------------------------------------------------
+template <int LANE_BITS>
+__device__ __forceinline__ uint64_t load_lane_bits(const char* a) {
+  if constexpr (LANE_BITS == 8) return *reinterpret_cast<const uint8_t*>(a);
+  else if constexpr (LANE_BITS == 16) return *reinterpret_cast<const uint16_t*>(a);
+  else if constexpr (LANE_BITS == 32) return *reinterpret_cast<const uint32_t*>(a);
+  else {
+    const uint2 v = *reinterpret_cast<const uint2*>(a);
+    return (uint64_t)v.x | ((uint64_t)v.y << 32);
+  }
+}
+
+template <typename DType, int BITS>
+__global__ void __launch_bounds__(256) GroupDequantizePerTokenKernel(GroupQuantParams p,
+                                                                      int ipg_log2) {
+  constexpr int VE = 16 / (int)sizeof(DType), LANE_BITS = VE * BITS, U = 4;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int64_t items = p.N * p.T * (p.D / VE);
+  const int64_t step = (int64_t)blockDim.x;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x * U;
+  const char* cb = reinterpret_cast<const char*>(p.codes);
+  uint4* out = static_cast<uint4*>(p.out);
+  for (int64_t i0 = (int64_t)blockIdx.x * blockDim.x * U + threadIdx.x; i0 < items; i0 += stride) {
+    uint64_t bits[U];
+    uint16_t hs[U], hz[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = i0 + u * step;
+      bits[u] = 0;
+      hs[u] = hz[u] = 0;
+      if (i < items) {
+        bits[u] = load_lane_bits<LANE_BITS>(cb + i * (LANE_BITS / 8));
+        hs[u] = p.scale[i >> ipg_log2];
+        hz[u] = p.zero[i >> ipg_log2];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t i = i0 + u * step;
+      if (i >= items) break;
+      const float s = half_bits_to_float(hs[u]), z = half_bits_to_float(hz[u]);
+      uint4 o;
+      DType* e = reinterpret_cast<DType*>(&o);
+#pragma unroll
+      for (int k = 0; k < VE; ++k) {
+        const uint32_t word = (uint32_t)(bits[u] >> (k * BITS >= 32 ? 32 : 0));
+        const uint32_t q = (word >> ((k * BITS) % 32)) & MASK;
+        const float f = __uint_as_float(0x4b000000u | q) - 8388608.f;  // == (float)q
+        e[k] = from_float<DType>(fmaf(f, s, z));
+      }
+      __stcs(out + i, o);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Dequantization (both groupings): one warp per token row.
 // ---------------------------------------------------------------------------
 template <typename DType, int EPL, int BITS, int ROWS>
@@ -714,6 +1111,24 @@ inline int num_sms() {
   return sms;
 }
 
+/// \brief Blocks of `kernel` (no dynamic shared memory) resident per SM, at least 1.
+template <typename Kernel>
+inline int resident_blocks(Kernel kernel, int threads) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0) != cudaSuccess) {
+    (void)cudaGetLastError();
+    n = 1;
+  }
+  return n < 1 ? 1 : n;
+}
+
+/// \brief log2 of a power of two.
+inline int ilog2(int64_t v) {
+  int l = 0;
+  while ((int64_t{1} << (l + 1)) <= v) ++l;
+  return l;
+}
+
 /// Tokens per thread of the per-channel tile kernel (TPT 16-byte loads held in registers).
 constexpr int kTileTokensPerThread = 8;
 
@@ -735,7 +1150,62 @@ int64_t GroupQuantizeWsFloats(const GroupQuantParams& p) {
   if (!p.per_channel || p.group < 256 || p.N * p.T == 0) return 0;
   if (per_channel_tile_threads<DType, D>(p.group) > 0) return 0;
   const SplitPlan sp = split_plan(p, num_sms());
-  return sp.ng * 2 * D * (sp.chunks + 1);
+  const int64_t split = sp.ng * 2 * D * (sp.chunks + 1);
+  // cooperative single-pass kernel: partials per item, qparams per group, 2 int32 per group
+  const int64_t items = sp.ng * kcvt_chunks(p.group, KcvtShape<DType, D>::TC);
+  const int64_t coop = items * 2 * D + sp.ng * 2 * D + 2 * sp.ng;
+  return split > coop ? split : coop;
+}
+
+/// \brief KCVT quantize in one cooperative launch (GroupQuantizeKcvtKernel).  Returns false,
+/// having launched nothing but possibly a memset, where that path does not apply: during stream
+/// capture (graphs keep the split path), on devices without cooperative launch, when a group has
+/// more chunks than resident blocks, when the launch is refused, or with KVQ_KCVT_SPLIT=1 set.
+template <typename DType, int D, int BITS>
+bool LaunchKcvtCooperative(const GroupQuantParams& p, cudaStream_t stream) {
+  static const bool disabled = [] {
+    const char* e = std::getenv("KVQ_KCVT_SPLIT");
+    return e != nullptr && e[0] == '1';
+  }();
+  static const bool coop_ok = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      v = 0;
+    }
+    return v != 0;
+  }();
+  if (disabled || !coop_ok) return false;
+  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (cs != cudaStreamCaptureStatusNone) return false;
+  static const int per_sm = resident_blocks(GroupQuantizeKcvtKernel<DType, D, BITS>, 256);
+  const int64_t ng = p.N * (p.T / p.group);
+  const int64_t C = kcvt_chunks(p.group, KcvtShape<DType, D>::TC);
+  const int64_t items = ng * C;
+  int64_t grid = (int64_t)per_sm * num_sms();
+  if (grid > items) grid = items;
+  if (C > grid || grid < 1) return false;
+  int* flags = reinterpret_cast<int*>(p.ws + items * 2 * D + ng * 2 * D);
+  if (cudaMemsetAsync(flags, 0, 2 * ng * sizeof(int), stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  GroupQuantParams pc = p;
+  int64_t ngc = ng, cc = C;
+  void* args[] = {&pc, &ngc, &cc};
+  const cudaError_t e = cudaLaunchCooperativeKernel(
+      reinterpret_cast<const void*>(GroupQuantizeKcvtKernel<DType, D, BITS>), dim3((unsigned)grid),
+      dim3(256), args, 0, stream);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // e.g. cudaErrorCooperativeLaunchTooLarge: take the split path
+    return false;
+  }
+  return true;
 }
 
 /// \brief Quantize and pack.  Requires D in {32, 64, 128, 256}; see GroupQuantParams.
@@ -751,6 +1221,7 @@ cudaError_t GroupQuantize(const GroupQuantParams& p, cudaStream_t stream) {
       GroupQuantizePerChannelTileKernel<DType, D, BITS, kTileTokensPerThread>
           <<<(unsigned)blocks, threads, smem, stream>>>(p);
     } else if (p.ws != nullptr && GroupQuantizeWsFloats<DType, EPL>(p) > 0) {
+      if (LaunchKcvtCooperative<DType, D, BITS>(p, stream)) return cudaSuccess;
       const SplitPlan sp = split_plan(p, num_sms());
       const unsigned nb = (unsigned)(sp.ng * sp.chunks);
       GroupMinMaxPartialKernel<DType, D><<<nb, 256, 0, stream>>>(p, sp.chunks, sp.tokens);
@@ -763,12 +1234,15 @@ cudaError_t GroupQuantize(const GroupQuantParams& p, cudaStream_t stream) {
           <<<(unsigned)blocks, WARPS * 32, 0, stream>>>(p);
     }
   } else if (p.group % 32 == 0) {
-    constexpr int THREADS = 256;
-    const int64_t items = p.N * p.T * (p.D / 32);
-    int64_t blocks = (items + THREADS - 1) / THREADS;
-    const int64_t cap = (int64_t)num_sms() * 8;
+    constexpr int THREADS = per_token_tile_warps<DType>() * 32;
+    static const int per_sm =
+        resident_blocks(GroupQuantizePerTokenTileKernel<DType, BITS>, THREADS);
+    const int64_t tiles = (p.N * p.T * (p.D / 32) + 31) / 32;
+    int64_t blocks = (tiles + THREADS / 32 - 1) / (THREADS / 32);
+    const int64_t cap = (int64_t)num_sms() * per_sm;  // one wave; warps stride over tiles
     if (blocks > cap) blocks = cap;
-    GroupQuantizePerTokenChunkKernel<DType, BITS><<<(unsigned)blocks, THREADS, 0, stream>>>(p);
+    GroupQuantizePerTokenTileKernel<DType, BITS>
+        <<<(unsigned)blocks, THREADS, 0, stream>>>(p, ilog2(p.group / 32));
   } else {
     constexpr int ROWS = (EPL >= 8) ? 2 : 4, THREADS = 256;
     const int64_t warps_needed = (p.N * p.T + ROWS - 1) / ROWS;
@@ -794,6 +1268,20 @@ cudaError_t GroupDequantize(const GroupQuantParams& p, cudaStream_t stream) {
     const int64_t blocks = p.N * (p.T / p.group) * chunks;
     GroupDequantizePerChannelKernel<DType, D, BITS>
         <<<(unsigned)blocks, 128, 0, stream>>>(p, chunks, tokens);
+    return cudaGetLastError();
+  }
+  constexpr int VE = 16 / (int)sizeof(DType);
+  const uintptr_t co_addr =
+      reinterpret_cast<uintptr_t>(p.codes) | reinterpret_cast<uintptr_t>(p.out);
+  if (!p.per_channel && p.group % VE == 0 && co_addr % 16 == 0) {
+    constexpr int THREADS = 256, U = 4;
+    static const int per_sm = resident_blocks(GroupDequantizePerTokenKernel<DType, BITS>, THREADS);
+    const int64_t items = p.N * p.T * (p.D / VE);
+    int64_t blocks = (items + THREADS * U - 1) / (THREADS * U);
+    const int64_t cap = (int64_t)num_sms() * per_sm;
+    if (blocks > cap) blocks = cap;
+    GroupDequantizePerTokenKernel<DType, BITS>
+        <<<(unsigned)blocks, THREADS, 0, stream>>>(p, ilog2(p.group / VE));
     return cudaGetLastError();
   }
   constexpr int ROWS = 4, THREADS = 256;
