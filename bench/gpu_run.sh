@@ -20,7 +20,7 @@ ts "CUDA tests"
 # one process per test file: a crash loses at most the rest of its file
 sel=${K:+($K) and }"not bad_input"
 for f in tests/test_*.py; do
-  echo "--- $f"; python3 -m pytest -q "$f" -k "$sel" -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.log" | tail -3
+  echo "--- $f"; timeout 150 python3 -m pytest -q "$f" -k "$sel" -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.log" | tail -3
 done
 ts "bad-input tests (own process)"
 python3 -m pytest -q tests -k "bad_input" -p no:cacheprovider 2>&1 | tee "$OUT/tests_bad_input.log" | tail -8
