@@ -3,8 +3,8 @@ device-to-device copy measured in the same run.
 
     python bench/bench_group_quant.py [--shape 8 8 4096 128]
 
-KVQ_KCVT_SPLIT=1 makes the KCVT rows use the three-launch split path instead of the cooperative
-single-pass kernel (read once per process), for an A/B comparison.
+KVQ_KCVT_COOP=1 makes the KCVT rows use the cooperative single-pass kernel instead of the
+three-launch split path (read once per process), for an A/B comparison.
 """
 from __future__ import annotations
 

@@ -157,11 +157,20 @@ def test_cuda_many_tiles_per_warp(preset, D, dtype):
     B, H, T = 4, 8, 12000
     cache = build_cache(preset, B, H, T, D, dtype, "cuda", steps=5)
     q = torch.randn(B, 4 * H, D, dtype=dtype, device="cuda")
-    check(cache, q)
+    # bf16: the fp32 reference reads cache.dequantize(), which rounds every entry to bf16 (2^-9);
+    # the kernel's own error is checked against the CPU op on the same stored data below
+    tol = 6e-3 if dtype == torch.bfloat16 else 4e-3
     mask = torch.ones(B, T + 5, dtype=torch.bool, device="cuda")
     mask[1, :3001] = False
     mask[2, 5000:5100] = False
-    check(cache, q, mask)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    cpu_ops = [t.cpu() for t in (*kst.attention_operands(), *vst.attention_operands())]
+    for m in (None, mask):
+        out = check(cache, q, m, tol=tol)
+        ref = kvq.ops.decode_attention_gq(q.cpu(), *cpu_ops, None if m is None else m.cpu(), kst.spec.bits,
+                                          kst.spec.per_channel, vst.spec.bits, vst.spec.per_channel, D ** -0.5)
+        err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
+        assert err < 3e-3, f"relative error vs the CPU op {err:.2e}"
 
 
 @requires_cuda
