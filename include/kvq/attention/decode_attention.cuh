@@ -181,6 +181,17 @@ struct ChannelMap {
 // 8 x 8 fp16 block of P into the B layout of the second (lane (i, c): head i, tokens 2c, 2c + 1).
 // Each lane therefore keeps the softmax state (m, l) of heads 2c and 2c + 1.
 // ---------------------------------------------------------------------------
+/// Four 8x8 b16 matrices from shared memory (lanes 8j..8j+7 give the row addresses of matrix
+/// j), transposed or not: the A fragment of an m16n8k16 mma from a row-major 16 x 16 tile.
+template <bool TRANS>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], unsigned saddr) {
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(saddr) : "memory");
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(saddr) : "memory");
+}
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
@@ -197,12 +208,14 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 //   out_c += p_t (v - Vhat[t, c]), Khat / Vhat = backbone + low rank at that position
 //   (decompression overwrites the entry).  Key entries are stored sorted by token with
 //   per-tile offsets, so a tile's entries are one contiguous range (lanes take one entry
-//   each); value entries are the 2k entries of each token (lane = token).
+//   each); value entries are the 2k entries of each token (lane = token).  Both kinds of
+//   correction are written (fp16) into a per-warp dense tile of 16 tokens x D, in the order of
+//   the channels in the QK (keys) or PV (values) mma, which then runs through the tensor cores
+//   with q or P like the codes (ldmatrix, .trans for values); the entries are cleared after.
 // ---------------------------------------------------------------------------
 /// Per-warp scratch of the GEAR extras (byte offsets for g query heads; 16-byte multiples).
 struct GearScratch {
-  static constexpr int CORR = 0;                   // float [32 tokens][8 heads]: key outlier corrections
-  static constexpr int QB = CORR + kTile * 8 * 4;  // float [8][8]: q . B_k of the current block
+  static constexpr int QB = 0;                     // float [8][8]: q . B_k of the current block
   static constexpr int DV = QB + 64 * 4;            // fp16 [16 tokens][D + 8]: value outlier corrections
                                                    // of half a tile, in mma order (padded rows)
   KVQ_HOST_DEVICE static int bytes(int g, int D) { return (DV + 16 * (D + 8) * 2 + 15) / 16 * 16 + 0 * g; }
@@ -443,10 +456,10 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   const uint32_t v_sel1 = (uint32_t)(v_by1 | (v_by1 << 4) | ((4 + v_by1) << 8) | ((4 + v_by1) << 12));
   const uint32_t v_m0 = PK::MASK << v_off0, v_m1 = PK::MASK << v_off1;
   const int kgroup = (int)K.group;
+  const int v_lg = 31 - __clz((int)V.group);
 
   // ---- GEAR state (see GearScratch) ----
   using GS = GearScratch;
-  float* s_corr = reinterpret_cast<float*>(gscr + GS::CORR);
   uint16_t* s_dv = reinterpret_cast<uint16_t*>(gscr + GS::DV);
   constexpr int DVS = D + 8;  // row stride (halves) of s_dv: 8 ldmatrix rows hit distinct banks
   float* s_qb = reinterpret_cast<float*>(gscr + GS::QB);
@@ -682,6 +695,70 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           mma16816(sc[mt], a, qlr, 0u);
         }
       }
+      if (kg.k > 0) {
+        // key outliers: score_t += q_c (v - Khat[t, c]).  The tile's entries (sorted by token,
+        // one per lane and round) write their corrections into a dense fp16 tile of half the
+        // tokens, channels in QK mma order, which runs through the QK mma with q like the codes;
+        // then the entries are cleared (the value path finds the tile zero).
+        const DType* ov = reinterpret_cast<const DType*>(kg.ov);
+        const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
+        auto kdelta = [&](uint32_t pk, float val, uint32_t& slot_out) {  // fp16 delta | (token << 16 | pos)
+          const int tl = (pk >> 8) & (kTile - 1), ch = pk & (D - 1);
+          const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
+          const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
+          float khat = code * half_bits_to_float(s_ks[ch]) + half_bits_to_float(s_kz[ch]);
+          if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
+          const int cq = ch / (D / 4), l = ch % (D / 4), r = l % PK::CPW;
+          const int pp = (l / PK::CPW) * PK::PO + r % PK::PO;
+          slot_out = (uint32_t)(tl * DVS + 16 * (pp >> 1) + 8 * (pp & 1) + 2 * cq + r / PK::PO);  // tl in [0, 32)
+          const __half d = __float2half_rn(val - khat);
+          return *reinterpret_cast<const uint16_t*>(&d);
+        };
+        uint16_t e_d[KE];
+        uint32_t e_at[KE];
+#pragma unroll
+        for (int m = 0; m < KE; ++m) {
+          e_d[m] = 0, e_at[m] = 0xffffffffu;
+          if (e_lo + lane + 32 * m < e_hi) e_d[m] = kdelta(e_pk[m], e_val[m], e_at[m]);
+        }
+        // ldmatrix.x4 rows of this lane: tokens (lane & 7) + 8 ((lane >> 3) & 1), k + 8 (lane >> 4)
+        const unsigned ld_base = (unsigned)__cvta_generic_to_shared(
+            s_dv + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DVS + 8 * (lane >> 4));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const uint32_t lo = (uint32_t)(16 * mt * DVS), hi = lo + 16u * DVS;  // this half's slots
+          auto put = [&](uint32_t at, uint16_t v) {
+            if (at >= lo && at < hi) s_dv[at - lo] = v;
+          };
+#pragma unroll
+          for (int m = 0; m < KE; ++m) put(e_at[m], e_d[m]);
+          for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {  // entries beyond the preloaded rounds
+            const int e = e0 + lane;
+            uint32_t at = 0xffffffffu;
+            const uint16_t v = e < e_hi ? kdelta(__ldg(oi + e), to_float(ov[e]), at) : (uint16_t)0;
+            put(at, v);
+          }
+          __syncwarp();
+#pragma unroll
+          for (int kk = 0; kk < NK; ++kk) {
+            uint32_t a[4];
+            ldmatrix_x4<false>(a, ld_base + 32u * kk);
+            mma16816(sc[mt], a, qb[kk][0], qb[kk][1]);
+          }
+          __syncwarp();
+#pragma unroll
+          for (int m = 0; m < KE; ++m) put(e_at[m], 0);
+          for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {
+            const int e = e0 + lane;
+            if (e < e_hi) {
+              uint32_t at;
+              (void)kdelta(__ldg(oi + e), 0.f, at);
+              put(at, 0);
+            }
+          }
+          __syncwarp();
+        }
+      }
     }
     // ---------------- online softmax: heads 2c (e even) and 2c + 1 (e odd) ----------------
     if constexpr (SUBK && !GEAR) {  // (sc 2^24 + q . zero) * score factor
@@ -695,63 +772,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) sc[mt][e] *= (e & 1) ? sfB : sfA;
-    }
-    if constexpr (GEAR) {
-      if (kg.k > 0) {  // key outliers: score_t += q_c (v - Khat[t, c]) for entries in this tile
-#pragma unroll
-        for (int x = 0; x < 8; ++x) s_corr[lane * 8 + x] = 0.f;
-        __syncwarp();
-        const DType* ov = reinterpret_cast<const DType*>(kg.ov);
-        const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
-        // one entry per lane and round (warp-uniform rounds): its correction goes to token tl
-        auto key_entry = [&](bool active, uint32_t pk, float val) {
-          const int tl = (pk >> 8) & (kTile - 1), ch = pk & (D - 1);
-          float dlt = 0.f;
-          if (active) {
-            const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
-            const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
-            float khat = code * half_bits_to_float(s_ks[ch]) + half_bits_to_float(s_kz[ch]);
-            if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
-            dlt = val - khat;
-          }
-          // entries come sorted by token: a segmented warp sum per head, then the last lane of
-          // each token's run adds it (one plain update per token and round, no collisions)
-          const int tkey = active ? tl : 64 + lane;
-          const int prev = __shfl_up_sync(0xffffffffu, tkey, 1), next = __shfl_down_sync(0xffffffffu, tkey, 1);
-          const unsigned heads = __ballot_sync(0xffffffffu, lane == 0 || prev != tkey);  // run starts
-          const int start = 31 - __clz(heads & (0xffffffffu >> (31 - lane)));           // my run's first lane
-          const bool tail = active && (lane == 31 || next != tkey);
-          float sum[8];
-#pragma unroll
-          for (int hh = 0; hh < 8; ++hh) {
-            float v = (hh < g && active) ? s_q[hh * D + ch] * dlt : 0.f;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-              const float u = __shfl_up_sync(0xffffffffu, v, o);
-              if (lane - o >= start) v += u;
-            }
-            sum[hh] = v;
-          }
-          if (tail) {
-#pragma unroll
-            for (int hh = 0; hh < 8; ++hh)
-              if (hh < g) s_corr[tl * 8 + hh] += sum[hh];
-          }
-          __syncwarp();
-        };
-#pragma unroll
-        for (int m = 0; m < KE; ++m)
-          if (e_lo + 32 * m < e_hi) key_entry(e_lo + lane + 32 * m < e_hi, e_pk[m], e_val[m]);
-        for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {
-          const int e = e0 + lane;
-          key_entry(e < e_hi, e < e_hi ? __ldg(oi + e) : 0u, e < e_hi ? to_float(ov[e]) : 0.f);
-        }
-        __syncwarp();
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sc[mt][e] += s_corr[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)] * sl;
-      }
     }
     float alA, alB;
     tile_online_softmax(sc, p.mask != nullptr ? p.mask + b * p.mask_sb + t0 : nullptr, i, mA, mB, lA, lB, alA, alB);
@@ -898,7 +918,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
               const int ch = gear_idx(oi, ib, toff + j);
               const uint32_t w = (uint32_t)s_vc[tl * WROW + ch / PK::CPW];
               const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
-              const int gi = tl * ngv + ch / (int)V.group;
+              const int gi = tl * ngv + (ch >> v_lg);  // per-token groups are powers of two
               float vhat = code * half_bits_to_float(s_vs[gi]) + half_bits_to_float(s_vz[gi]);
               if (vg.r > 0) vhat += gear_lr(s_va, tl, vg.Bf, ch, vg.r);
               const __half d = __float2half_rn(to_float(ov[j]) - vhat);
@@ -909,9 +929,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
 #pragma unroll
           for (int pp = 0; pp < MV; ++pp) {
             uint32_t a[4];
-            asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
-                         : "r"(ld_base + 32u * pp));
+            ldmatrix_x4<true>(a, ld_base + 32u * pp);
             mma16816(acc[pp], a, pt[kst][0], pt[kst][1]);
           }
           __syncwarp();
