@@ -702,7 +702,8 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         // then the entries are cleared (the value path finds the tile zero).
         const DType* ov = reinterpret_cast<const DType*>(kg.ov);
         const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
-        auto kdelta = [&](uint32_t pk, float val, uint32_t& slot_out) {  // fp16 delta | (token << 16 | pos)
+        // fp16 bits of the entry's correction; slot_out = token * DVS + its position in QK mma order
+        auto kdelta = [&](uint32_t pk, float val, uint32_t& slot_out) {
           const int tl = (pk >> 8) & (kTile - 1), ch = pk & (D - 1);
           const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
           const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
