@@ -23,3 +23,4 @@ ncu --import "$rep.ncu-rep" --page details 2>&1 | grep -E "Duration|Throughput|R
 ncu --import "$rep.ncu-rep" --page source --csv --print-source sass > "$rep.sass.csv" 2>&1
 gzip -f "$rep.sass.csv"; rm -f "$rep.ncu-rep"
 ls -la "$out" | grep ncu_
+# summary here or offline: python3 bench/ncu_source_summary.py "$rep.sass.csv.gz"
