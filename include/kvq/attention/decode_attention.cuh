@@ -218,7 +218,7 @@ struct GearScratch {
   static constexpr int QB = 0;                     // float [8][8]: q . B_k of the current block
   static constexpr int DV = QB + 64 * 4;            // fp16 [16 tokens][D + 8]: value outlier corrections
                                                    // of half a tile, in mma order (padded rows)
-  KVQ_HOST_DEVICE static int bytes(int g, int D) { return (DV + 16 * (D + 8) * 2 + 15) / 16 * 16 + 0 * g; }
+  KVQ_HOST_DEVICE static int bytes(int D) { return (DV + 16 * (D + 8) * 2 + 15) / 16 * 16; }
 };
 
 /// Segment / block of a 32-token tile starting at t0 (32-bit arithmetic).
@@ -656,12 +656,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         }
       }
     }
-    if constexpr (SUBK && GEAR) {  // back to plain units before the low-rank mma adds to the scores
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[mt][e] = fmaf(sc[mt][e], 16777216.f, zc[e]);
-    }
     if constexpr (GEAR) {
       if (gt.bid != cur_bid) {
         cur_bid = gt.bid;
@@ -762,7 +756,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       }
     }
     // ---------------- online softmax: heads 2c (e even) and 2c + 1 (e odd) ----------------
-    if constexpr (SUBK && !GEAR) {  // (sc 2^24 + q . zero) * score factor
+    if constexpr (SUBK) {  // (sc 2^24 + q . zero) * score factor
       const float zA = zc[0] * sfA, zB = zc[1] * sfB, kA = 16777216.f * sfA, kB = 16777216.f * sfB;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -1133,7 +1127,7 @@ KVQ_HOST_DEVICE size_t warp_region_bytes(int g) {
   size_t r = slot;
   if constexpr (MMA) r = TL::RING > slot ? TL::RING : slot;
   r = (r + 15) / 16 * 16;
-  if constexpr (GEAR) r += GearScratch::bytes(g, D);
+  if constexpr (GEAR) r += GearScratch::bytes(D);
   return r;
 }
 KVQ_HOST_DEVICE size_t q_region_bytes(int g, int D) { return (sizeof(float) * (size_t)g * D + 15) / 16 * 16; }
@@ -1171,7 +1165,7 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   if constexpr (MMA) {
     if (t_begin < t_end) {
       warp_mma<DType, D, BITS, KPC, GEAR, NGV>(p, b, h, g, t_begin, t_end, warp, slot, region,
-                                          region + (wbytes - (GEAR ? GearScratch::bytes(g, D) : 0)), s_q);
+                                          region + (wbytes - (GEAR ? GearScratch::bytes(D) : 0)), s_q);
       have_mma = true;
     }
   }

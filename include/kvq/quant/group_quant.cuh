@@ -184,39 +184,30 @@ __device__ __forceinline__ void gq_cp_async_wait() {
 /// 16-byte slot swizzle of a warp tile buffer (bijective inside every aligned 8-slot block).
 __device__ __forceinline__ int gq_swz(int s) { return s ^ ((s >> 3) & 7); }
 
-/// \brief NaN-propagating elementwise min / max of two words of packed DType (raw bits).
-template <typename DType>
-__device__ __forceinline__ uint32_t vmin_nan(uint32_t a, uint32_t b) {
+/// \brief NaN-propagating elementwise min (MAX = false) or max of two words of packed DType
+/// (raw bits).
+template <typename DType, bool MAX>
+__device__ __forceinline__ uint32_t vminmax_nan(uint32_t a, uint32_t b) {
   if constexpr (sizeof(DType) == 4) {
     float r;
-    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(__uint_as_float(a)), "f"(__uint_as_float(b)));
+    if constexpr (MAX)
+      asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(__uint_as_float(a)), "f"(__uint_as_float(b)));
+    else
+      asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(__uint_as_float(a)), "f"(__uint_as_float(b)));
     return __float_as_uint(r);
-  } else if constexpr (std::is_same<DType, half_t>::value) {
-    __half2 r = __hmin2_nan(*reinterpret_cast<const __half2*>(&a),
-                            *reinterpret_cast<const __half2*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
   } else {
-    __nv_bfloat162 r = __hmin2_nan(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
+    using V2 = typename std::conditional<std::is_same<DType, half_t>::value, __half2, __nv_bfloat162>::type;
+    const V2 x = *reinterpret_cast<const V2*>(&a), y = *reinterpret_cast<const V2*>(&b);
+    V2 r;
+    if constexpr (MAX) r = __hmax2_nan(x, y);
+    else r = __hmin2_nan(x, y);
     return *reinterpret_cast<const uint32_t*>(&r);
   }
 }
 template <typename DType>
-__device__ __forceinline__ uint32_t vmax_nan(uint32_t a, uint32_t b) {
-  if constexpr (sizeof(DType) == 4) {
-    float r;
-    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(__uint_as_float(a)), "f"(__uint_as_float(b)));
-    return __float_as_uint(r);
-  } else if constexpr (std::is_same<DType, half_t>::value) {
-    __half2 r = __hmax2_nan(*reinterpret_cast<const __half2*>(&a),
-                            *reinterpret_cast<const __half2*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  } else {
-    __nv_bfloat162 r = __hmax2_nan(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                                   *reinterpret_cast<const __nv_bfloat162*>(&b));
-    return *reinterpret_cast<const uint32_t*>(&r);
-  }
-}
+__device__ __forceinline__ uint32_t vmin_nan(uint32_t a, uint32_t b) { return vminmax_nan<DType, false>(a, b); }
+template <typename DType>
+__device__ __forceinline__ uint32_t vmax_nan(uint32_t a, uint32_t b) { return vminmax_nan<DType, true>(a, b); }
 
 /// \brief min / max of a 32-value chunk (NV raw 16-byte vectors), NaN-propagating; `bad` is set
 /// when the chunk holds a NaN, an infinity or a magnitude above kMaxAbs.
