@@ -439,15 +439,17 @@ def test_cuda_per_token_non_contiguous_exact():
         _per_token_both(base, bits, 32)
 
 
-# ----------------------------------------------------------------------------- KCVT cooperative (v7)
-# Per-channel groups of >= 256 tokens that the tile kernel does not take run one cooperative
-# kernel (tile in registers while the group's min/max completes across blocks) outside stream
-# capture, and the split-T kernels inside it.  Both must equal the CPU op exactly.
+# ----------------------------------------------------------------------------- KCVT cluster kernel
+# Per-channel groups of >= 256 tokens that the tile kernel does not take run one thread-block
+# cluster per group (8 CTAs, each holding G / 8 tokens in shared memory, min/max reduced through
+# distributed shared memory) while a chunk fits in 200 KB, else the split-T kernels.  Both must
+# equal the CPU op exactly.
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [2, 4])
 def test_cuda_kcvt_many_items_per_block(dtype, bits):
-    """More (group, chunk) items than resident blocks; groups straddle rounds; partial chunk."""
+    """Many groups (more clusters than fit at once); extremes in the last CTA's short chunk
+    (4100 = 7 x 513 + 509 tokens); fp32 takes the split path (chunk above 200 KB)."""
     x = make_kv(4, 6, 4100, 128, dtype)
     x[1, 2, 4099, 5] = 30.0  # extreme in the partial last chunk
     x[3, 5, 0, 127] = -30.0
@@ -463,8 +465,31 @@ def test_cuda_kcvt_head_dims(D):
 
 
 @requires_cuda
+@pytest.mark.parametrize("T", [8192, 6401])
+def test_cuda_kcvt_long_groups_take_the_split_path(T):
+    """fp16, D = 128: T = 8192 (1024 tokens per CTA, 256 KB) and 6401 (801 tokens, 200.3 KB) do
+    not fit the cluster kernel's chunk; both must still equal the CPU op."""
+    x = make_kv(1, 3, T, 128, torch.float16)
+    x[0, 1, T - 1, 7] = 25.0
+    x[0, 2, 0, 64] = -25.0
+    for bits in (2, 4):
+        _quantize_both(x, bits, -1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [264, 520, 6400])
+def test_cuda_kcvt_cluster_chunk_edges(T):
+    """Short chunks (264 = 8 x 33 tokens, 520 = 8 x 65: not multiples of the 16 token slices)
+    and the largest chunk that fits (6400: 800 tokens, 200 KB)."""
+    x = make_kv(2, 2, T, 128, torch.float16)
+    x[1, 0, T // 2, 3] = 40.0
+    for bits in (2, 4, 8):
+        _quantize_both(x, bits, -1)
+
+
+@requires_cuda
 def test_cuda_kcvt_graph_capture_matches_eager():
-    """Inside stream capture the split path runs (cooperative launches are not captured)."""
+    """The KCVT kernels are launched the same way inside stream capture."""
     x = make_kv(2, 4, 2048, 128, torch.float16, "cuda")
     ref = kvq.quantize(x, 2, -1, True, check_finite=False)
     s = torch.cuda.Stream()

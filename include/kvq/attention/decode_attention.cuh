@@ -1034,12 +1034,18 @@ __device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t m
   }
   __syncwarp();
   const float sl = scale * kLog2e;
+  // one token ahead: token t + 1's loads are in flight while token t is computed (the loop is
+  // latency-bound; a masked token is loaded but not used)
+  float kx[EPL], vx[EPL];
+  if (t_begin < t_end) load(t_begin, kx, vx);
   for (int64_t t = t_begin; t < t_end; ++t) {
-    if (mask != nullptr && mask[b * mask_sb + t] == 0) continue;
-    float kx[EPL], vx[EPL];
-    load(t, kx, vx);
+    float kn[EPL], vn[EPL];
+    const bool more = t + 1 < t_end;
+    if (more) load(t + 1, kn, vn);
+    const bool skip = mask != nullptr && mask[b * mask_sb + t] == 0;
 #pragma unroll
     for (int j = 0; j < MAXG; ++j) {
+      if (skip) break;
       if (j >= g) break;
       float s = 0.f;
 #pragma unroll
@@ -1053,6 +1059,10 @@ __device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t m
       l[j] = l[j] * al + pe;
 #pragma unroll
       for (int e = 0; e < EPL; ++e) acc[j][e] = acc[j][e] * al + pe * vx[e];
+    }
+    if (more) {
+#pragma unroll
+      for (int e = 0; e < EPL; ++e) kx[e] = kn[e], vx[e] = vn[e];
     }
   }
 #pragma unroll
@@ -1105,16 +1115,25 @@ __device__ __forceinline__ void write_split_partial(float* ws, const char* slots
   }
 }
 
-/// \brief How the token axis is split over CTAs (computed on the host).  Every CTA of a
-/// (batch, KV head) row runs the mma path over its chunk of [0, t_main), then the generic path
-/// over its share of the tail [t_main, T): tail chunk k of `tail_chunk` tokens goes to CTA
-/// k % splits, warp (k / splits) % kWarps, so the residual window is spread over the row.
+/// \brief How the token axis is split over CTAs (computed on the host).  CTAs [0, ns) of a
+/// (batch, KV head) row run the mma path over their chunk of [0, t_main); the tail [t_main, T)
+/// (the residual window) runs on the generic path in chunks of `tail_chunk` tokens, chunk k on
+/// worker CTA k % W, warp (k / W) % warps, where the W workers are either the same ns CTAs after
+/// their mma chunk (nt == 0) or nt extra CTAs [ns, ns + nt) that only run the tail, concurrently
+/// with the mma CTAs (chosen when the last wave has room: small batches).
 struct SplitPlan {
   int64_t t_main = 0;      // tokens [0, t_main) go through the mma path
   int64_t chunk_main = 0;  // tokens per CTA on the mma path (multiple of kWarps * kTile)
   int64_t tail_chunk = 1;  // tail tokens per (CTA, warp) chunk
-  int ns = 1;              // CTAs per (b, h)
-  KVQ_HOST_DEVICE int splits() const { return ns; }
+  int ns = 1;              // mma CTAs per (b, h)
+  int nt = 0;              // tail-only CTAs per (b, h)
+  KVQ_HOST_DEVICE int splits() const { return ns + nt; }
+  /// First tail chunk of (split, warp), or -1 if that CTA runs no tail; then every tail_stride.
+  KVQ_HOST_DEVICE int64_t tail_first(int split, int warp) const {
+    if (nt == 0) return split + (int64_t)ns * warp;
+    return split < ns ? -1 : (split - ns) + (int64_t)nt * warp;
+  }
+  KVQ_HOST_DEVICE int64_t tail_stride(int warps) const { return (int64_t)(nt > 0 ? nt : ns) * warps; }
 };
 
 /// Shared memory: q as floats [g][D] (generic path, GEAR), then per warp max(ring, slot)
@@ -1175,14 +1194,13 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   }
   // ---- this warp's share of the tail [t_main, T) ----
   const int64_t tail = p.T - plan.t_main;
-  if (tail > 0) {
+  if (tail > 0 && plan.tail_first(split, 0) >= 0) {  // uniform per CTA
     if constexpr (!GEAR) {
       for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
       __syncthreads();
     }
     const int64_t nchunks = (tail + plan.tail_chunk - 1) / plan.tail_chunk;
-    const int64_t per_round = (int64_t)plan.ns * kWarps;
-    for (int64_t k = split + (int64_t)plan.ns * warp; k < nchunks; k += per_round) {
+    for (int64_t k = plan.tail_first(split, warp); k >= 0 && k < nchunks; k += plan.tail_stride(kWarps)) {
       const int64_t a = plan.t_main + k * plan.tail_chunk;
       const int64_t e = a + plan.tail_chunk < p.T ? a + plan.tail_chunk : p.T;
       // the mma instantiations only take g <= 8
@@ -1286,8 +1304,22 @@ inline SplitPlan split_plan(int64_t t_main, int64_t T, int64_t BH, int num_sms, 
     plan.ns = (int)(want < max_ns ? (want > 0 ? want : 1) : (max_ns > 0 ? max_ns : 1));
   }
   const int64_t tail = T - plan.t_main;
+  if (tail > 0 && plan.t_main > 0) {
+    // tail-only CTAs when the mma CTAs fit in one wave with room to spare and each tail warp's
+    // share (>= 2 tokens; ~0.4 of a tile step each on the H200) hides under the mma chunk:
+    // the residual window then runs concurrently instead of after the mma chunk (B = 1, L = 4k:
+    // 16 mma CTAs per KV head, 2 tiles per warp, then 2 residual tokens per warp)
+    const int64_t used = (int64_t)plan.ns * BH, spare = used <= slots ? slots - used : 0;  // one wave only
+    const int64_t want = (tail + 2 * warps - 1) / (2 * warps);
+    const int64_t nt = want < spare / BH ? want : spare / BH;
+    if (nt >= 1) {
+      const int64_t per = plan.chunk_main / kStep;  // tile steps per mma CTA
+      const int64_t tc = (tail + nt * warps - 1) / (nt * warps);
+      if (tc <= 2 * per) plan.nt = (int)nt;
+    }
+  }
   if (tail > 0) {
-    const int64_t workers = (int64_t)plan.ns * warps;
+    const int64_t workers = (int64_t)(plan.nt > 0 ? plan.nt : plan.ns) * warps;
     // the generic path is latency-bound (~2 us per token per warp on the H200): spread the
     // tail as thinly as the CTAs allow, at least 2 tokens per chunk
     int64_t tc = (tail + workers - 1) / workers;

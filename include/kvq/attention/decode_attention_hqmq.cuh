@@ -502,8 +502,7 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
   const int64_t tail = p.T - plan.t_main;
   if (tail > 0) {
     const int64_t nchunks = (tail + plan.tail_chunk - 1) / plan.tail_chunk;
-    const int64_t per_round = (int64_t)plan.ns * hqmq_warps(D);
-    for (int64_t k = split + (int64_t)plan.ns * warp; k < nchunks; k += per_round) {
+    for (int64_t k = plan.tail_first(split, warp); k >= 0 && k < nchunks; k += plan.tail_stride(hqmq_warps(D))) {
       const int64_t a = plan.t_main + k * plan.tail_chunk;
       const int64_t e = a + plan.tail_chunk < p.T ? a + plan.tail_chunk : p.T;
       auto load = [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {

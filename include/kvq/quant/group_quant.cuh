@@ -758,165 +758,135 @@ __global__ void __launch_bounds__(256) GroupQuantizeChunkKernel(GroupQuantParams
 }
 
 // ---------------------------------------------------------------------------
-// Per-channel quantization of large groups (KCVT) in one cooperative launch (v7): the input is
-// read once.  Work items are (group, chunk of TC = S * TPT tokens); block b runs items b,
-// b + gridDim.x, ...  An item's tile stays in registers (thread = token slice s x 16-byte channel
-// segment k, TPT tokens, as in the tile kernel) while the group's min/max completes across
-// blocks:
-//   1. raw HMNMX2 min/max of the tile, combined over the slices in shared memory, written as
-//      fp32 partials ws part[item][2][D]; __threadfence; atomicAdd on the group's counter.
-//   2. the block that arrives last reduces the group's C partials in chunk order, writes scale /
-//      zero and ws qp[group][2][D] (zero, inv), __threadfence, sets the group's ready flag.
-//   3. the other blocks wait for the ready flag; every block packs its tile from registers with
-//      the group's qparams (quantize_pack_store, the tile kernel's arithmetic: bit-identical to
-//      the CPU op).  The loads of a block's next item are issued when it starts an item, so they
-//      are in flight through steps 1-3.
-// No deadlock: every block is resident (cooperative launch, grid <= resident capacity) and a
-// group's C <= gridDim.x items are consecutive, so each of them is the next item of its block
-// once all lower-numbered items are past their wait (induction on the lowest waiting item).
-// A wait longer than ~35 s traps (a launch error instead of a hang) -- never expected.
-// Workspace: part [NG * C][2][D] floats, qp [NG][2][D] floats, then 2 * NG int32 (arrival
-// counters, ready flags; zeroed by the launcher with cudaMemsetAsync).
+// Per-channel quantization of large groups (KCVT: G = T) in one launch that reads the input
+// once: a thread-block cluster of kKcvtCluster CTAs per group (sm_90 distributed shared
+// memory).  CTA r of the cluster owns tokens [r * tc, (r + 1) * tc) of the group and keeps them
+// in shared memory (tc * D * sizeof(DType) bytes):
+//   1. load the chunk (streaming 16-byte loads, U in flight per thread) into shared memory,
+//      raw min/max per channel on the way (thread = token slice s x 16-byte channel segment k,
+//      the layout and reduction order of GroupMinMaxPartialKernel), reduced over the slices
+//      into this CTA's partial s_part[2][D];
+//   2. cluster barrier; every CTA reduces the cluster's partials in rank order (chunk order,
+//      as GroupQParamsKernel does) through DSMEM and computes the qparams (rank 0 writes
+//      scale / zero); it then arrives on a second cluster barrier and waits on it only before
+//      exiting (its partial must stay readable until every CTA has read it);
+//   3. pack the chunk from shared memory (quantize_pack_store: the tile kernels' arithmetic,
+//      bit-identical to the CPU op).
+// Replaces a cooperative-launch kernel (cross-block flags in global memory: 67.9 us, slower
+// than the three-launch split path's 48.5 us on the H200, [8, 8, 4096, 128] fp16): the cluster
+// barrier is hardware, and only the 8 CTAs of one group wait for each other.
 // ---------------------------------------------------------------------------
-constexpr int kKcvtTokensPerThread = 8;
+constexpr int kKcvtCluster = 8;                       // CTAs per group (portable cluster size)
+constexpr int kKcvtClusterSmem = 200 * 1024;          // max dynamic shared memory per CTA (chunk)
 
-template <typename DType, int D>
-struct KcvtShape {
-  static constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE, S = 256 / CPL;
-  static constexpr int TPT = kKcvtTokensPerThread, TC = S * TPT;  // tokens per item
-};
-
-inline int64_t kcvt_chunks(int64_t G, int tc) { return (G + tc - 1) / tc; }
-
-__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+/// Load a float from the shared memory of CTA `rank` of this cluster (generic address of the
+/// same variable in this CTA).
+__device__ __forceinline__ float ld_dsmem_f32(const float* local, uint32_t rank) {
+  const uint32_t a = (uint32_t)__cvta_generic_to_shared(local);
+  uint32_t remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(a), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
   return v;
 }
 
 template <typename DType, int D, int BITS>
-__global__ void __launch_bounds__(256, 2) GroupQuantizeKcvtKernel(GroupQuantParams p, int64_t ng,
-                                                                   int64_t C) {
-  using Sh = KcvtShape<DType, D>;
-  constexpr int VE = Sh::VE, CPL = Sh::CPL, S = Sh::S, TPT = Sh::TPT, TC = Sh::TC;
+__global__ void __cluster_dims__(kKcvtCluster, 1, 1) __launch_bounds__(256, 1)
+    GroupQuantizeKcvtClusterKernel(GroupQuantParams p, int64_t tc) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE, S = 256 / CPL, U = 8;
   constexpr int W = D * BITS / 32;
+  extern __shared__ __align__(16) uint4 s_tile[];  // [tc][CPL]
   __shared__ uint4 s_mn[256], s_mx[256];
-  __shared__ __align__(16) float s_qp[2 * D];
-  __shared__ int s_last;
+  __shared__ __align__(16) float s_part[2 * D];  // this CTA's (min, max) per channel
+  __shared__ __align__(16) float s_qp[2 * D];    // (zero, inv) per channel
   const int k = threadIdx.x % CPL, s = threadIdx.x / CPL;
-  const int64_t G = p.group, items = ng * C;
-  float* part = p.ws;
-  float* qpw = p.ws + items * 2 * D;
-  int* cnt = reinterpret_cast<int*>(qpw + ng * 2 * D);
-  int* ready = cnt + ng;
-  const uint4* x = reinterpret_cast<const uint4*>(p.x);
+  const uint32_t rank = cluster_ctarank();
+  const int64_t grp = blockIdx.x / kKcvtCluster, G = p.group;
+  const int64_t t0 = (int64_t)rank * tc, t1 = t0 + tc < G ? t0 + tc : G;
+  const uint4* src = reinterpret_cast<const uint4*>(p.x) + (grp * G) * CPL + k;
   const bool check = p.status != nullptr;
   int32_t status = 0, dummy = 0;
-
-  auto load_item = [&](int64_t it, uint4 (&raw)[TPT]) {
-    const int64_t grp = it / C, t0 = (it % C) * TC;
-    const uint4* src = x + (grp * G + t0 + s) * CPL + k;
+  RawMinMax<DType> mm;
+  mm.init();
+  auto take = [&](const uint4& r, int64_t t) {
+    mm.update(r);
+    if (check) {
+      const DType* e = reinterpret_cast<const DType*>(&r);
 #pragma unroll
-    for (int i = 0; i < TPT; ++i)
-      if (t0 + s + i * S < G) raw[i] = __ldcs(src + (int64_t)i * S * CPL);
+      for (int q = 0; q < VE; ++q) status |= value_status(to_float(e[q]));
+    }
+    s_tile[(t - t0) * CPL + k] = r;
   };
-  uint4 cur[TPT], nxt[TPT];
-  int64_t it = blockIdx.x;
-  if (it < items) load_item(it, cur);
-  for (; it < items; it += gridDim.x) {
-    const int64_t grp = it / C, t0 = (it % C) * TC;
-    // the next item's loads stay in flight through this item's min/max, wait and pack
-    const int64_t itn = it + gridDim.x;
-    if (itn < items) load_item(itn, nxt);
-    // 1. tile min/max -> partial
-    RawMinMax<DType> mm;
-    mm.init();
+  // 1. chunk -> shared memory, min/max on the way
+  int64_t t = t0 + s;
+  for (; t + (U - 1) * S < t1; t += U * S) {
+    uint4 r[U];
 #pragma unroll
-    for (int i = 0; i < TPT; ++i) {
-      if (t0 + s + i * S < G) {
-        mm.update(cur[i]);
-        if (check) {
-          const DType* e = reinterpret_cast<const DType*>(&cur[i]);
+    for (int u = 0; u < U; ++u) r[u] = __ldcs(src + (t + u * S) * CPL);
 #pragma unroll
-          for (int q = 0; q < VE; ++q) status |= value_status(to_float(e[q]));
-        }
-      }
-    }
-    s_mn[threadIdx.x] = mm.mn;
-    s_mx[threadIdx.x] = mm.mx;
-    __syncthreads();
-    {
-      const DType* emn = reinterpret_cast<const DType*>(s_mn);
-      const DType* emx = reinterpret_cast<const DType*>(s_mx);
-      for (int c = threadIdx.x; c < D; c += 256) {
-        float a = INFINITY, b = -INFINITY;
-#pragma unroll 4
-        for (int q = 0; q < S; ++q) {
-          a = fminf(a, to_float(emn[q * D + c]));
-          b = fmaxf(b, to_float(emx[q * D + c]));
-        }
-        part[it * 2 * D + c] = a;
-        part[it * 2 * D + D + c] = b;
-      }
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();  // the block's partials (fenced by each writer) before the arrival
-      s_last = atomicAdd(cnt + grp, 1) == (int)(C - 1);
-    }
-    __syncthreads();
-    if (s_last) {
-      // 2. last arrival: qparams of the group from its C partials (chunk order)
-      __threadfence();
-      for (int c = threadIdx.x; c < D; c += 256) {
-        float a = INFINITY, b = -INFINITY;
-        const float* pp = part + grp * C * 2 * D + c;
-        for (int64_t j = 0; j < C; ++j) {
-          a = fminf(a, __ldcg(pp + j * 2 * D));
-          b = fmaxf(b, __ldcg(pp + j * 2 * D + D));
-        }
-        const QParams q = make_qparams(a, b, BITS);
-        p.scale[grp * D + c] = q.s16;
-        p.zero[grp * D + c] = q.z16;
-        s_qp[c] = q.zero;
-        s_qp[D + c] = q.inv;
-        __stcg(qpw + grp * 2 * D + c, q.zero);
-        __stcg(qpw + grp * 2 * D + D + c, q.inv);
-      }
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        atomicExch(ready + grp, 1);
-      }
-    } else {
-      if (threadIdx.x == 0) {
-        const long long start = clock64();
-        while (ld_acquire_gpu(ready + grp) == 0) {
-          __nanosleep(64);
-          if (clock64() - start > (1ll << 36)) __trap();  // ~35 s: never expected
-        }
-        __threadfence();
-      }
-      __syncthreads();
-      for (int c = threadIdx.x; c < 2 * D; c += 256) s_qp[c] = __ldcg(qpw + grp * 2 * D + c);
-      __syncthreads();
-    }
-    // 3. pack the tile from registers
-    float z[VE], inv[VE];
-    load_qp<VE>(s_qp, s_qp + D, k, z, inv);
-    int32_t* codes = p.codes + (grp * G + t0 + s) * W;
-#pragma unroll
-    for (int i = 0; i < TPT; ++i)
-      if (t0 + s + i * S < G)
-        quantize_pack_store<DType, BITS>(cur[i], z, inv, codes + (int64_t)i * S * W, k, false,
-                                         dummy);
-#pragma unroll
-    for (int i = 0; i < TPT; ++i) cur[i] = nxt[i];
-    __syncthreads();  // s_mn / s_mx / s_qp / s_last are rewritten by the next item
+    for (int u = 0; u < U; ++u) take(r[u], t + u * S);
   }
+  for (; t < t1; t += S) take(__ldcs(src + t * CPL), t);
+  s_mn[threadIdx.x] = mm.mn;
+  s_mx[threadIdx.x] = mm.mx;
+  __syncthreads();
+  {
+    const DType* emn = reinterpret_cast<const DType*>(s_mn);
+    const DType* emx = reinterpret_cast<const DType*>(s_mx);
+    for (int c = threadIdx.x; c < D; c += 256) {
+      float a = INFINITY, b = -INFINITY;
+#pragma unroll 4
+      for (int q = 0; q < S; ++q) {
+        a = fminf(a, to_float(emn[q * D + c]));
+        b = fmaxf(b, to_float(emx[q * D + c]));
+      }
+      s_part[c] = a;
+      s_part[D + c] = b;
+    }
+  }
+  // 2. the group's qparams from the cluster's partials, in rank (= chunk) order
+  cluster_arrive_release();
+  cluster_wait_acquire();
+  for (int c = threadIdx.x; c < D; c += 256) {
+    float a = INFINITY, b = -INFINITY;
+#pragma unroll
+    for (uint32_t r = 0; r < (uint32_t)kKcvtCluster; ++r) {
+      a = fminf(a, ld_dsmem_f32(s_part + c, r));
+      b = fmaxf(b, ld_dsmem_f32(s_part + D + c, r));
+    }
+    const QParams q = make_qparams(a, b, BITS);
+    if (rank == 0) {
+      p.scale[grp * D + c] = q.s16;
+      p.zero[grp * D + c] = q.z16;
+    }
+    s_qp[c] = q.zero;
+    s_qp[D + c] = q.inv;
+  }
+  cluster_arrive_release();  // done reading the other CTAs' partials
+  __syncthreads();
+  // 3. pack from shared memory
+  float z[VE], inv[VE];
+  load_qp<VE>(s_qp, s_qp + D, k, z, inv);
+  int32_t* codes = p.codes + grp * G * W;
+  for (t = t0 + s; t < t1; t += S)
+    quantize_pack_store<DType, BITS>(s_tile[(t - t0) * CPL + k], z, inv, codes + t * W, k, false, dummy);
   if (check) report_status(p.status, status);
+  cluster_wait_acquire();  // keep s_part alive until every CTA of the cluster has read it
+#else
+  __trap();  // launched only on sm_90+ (LaunchKcvtCluster checks the device)
+#endif
 }
 
 // ---------------------------------------------------------------------------
@@ -1141,64 +1111,34 @@ int64_t GroupQuantizeWsFloats(const GroupQuantParams& p) {
   if (!p.per_channel || p.group < 256 || p.N * p.T == 0) return 0;
   if (per_channel_tile_threads<DType, D>(p.group) > 0) return 0;
   const SplitPlan sp = split_plan(p, num_sms());
-  const int64_t split = sp.ng * 2 * D * (sp.chunks + 1);
-  // cooperative single-pass kernel: partials per item, qparams per group, 2 int32 per group
-  const int64_t items = sp.ng * kcvt_chunks(p.group, KcvtShape<DType, D>::TC);
-  const int64_t coop = items * 2 * D + sp.ng * 2 * D + 2 * sp.ng;
-  return split > coop ? split : coop;
+  return sp.ng * 2 * D * (sp.chunks + 1);  // the split path (the cluster kernel needs none)
 }
 
-/// \brief KCVT quantize in one cooperative launch (GroupQuantizeKcvtKernel).  Returns false,
-/// having launched nothing but possibly a memset, where that path does not apply: during stream
-/// capture (graphs keep the split path), on devices without cooperative launch, when a group has
-/// more chunks than resident blocks, when the launch is refused, and unless KVQ_KCVT_COOP=1 is
-/// set: measured on the H200 ([8, 8, 4096, 128] fp16) it ran 67.9 us against 48.5 us for the
-/// split path (the wait for each group's slowest chunk costs more than the second read saves),
-/// so it is opt-in until that is understood.
+/// \brief KCVT quantize by GroupQuantizeKcvtClusterKernel.  Returns false, having launched
+/// nothing, where it does not apply: devices below sm_90, a chunk (G / kKcvtCluster tokens)
+/// above kKcvtClusterSmem bytes (fp16: G > 6400 at D = 128, G > 3200 at D = 256), or a refused
+/// launch (no cluster fits); the caller then takes the split path.
 template <typename DType, int D, int BITS>
-bool LaunchKcvtCooperative(const GroupQuantParams& p, cudaStream_t stream) {
-  static const bool disabled = [] {
-    const char* e = std::getenv("KVQ_KCVT_COOP");
-    return !(e != nullptr && e[0] == '1');
-  }();
-  static const bool coop_ok = [] {
-    int dev = 0, v = 0;
-    cudaGetDevice(&dev);
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess) {
+bool LaunchKcvtCluster(const GroupQuantParams& p, cudaStream_t stream) {
+  constexpr int CPL = D / (16 / (int)sizeof(DType));
+  auto kernel = GroupQuantizeKcvtClusterKernel<DType, D, BITS>;
+  static const bool ok = [&] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kKcvtClusterSmem) !=
+            cudaSuccess) {
       (void)cudaGetLastError();
-      v = 0;
+      return false;
     }
-    return v != 0;
+    return major >= 9;
   }();
-  if (disabled || !coop_ok) return false;
-  cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  if (cs != cudaStreamCaptureStatusNone) return false;
-  static const int per_sm = resident_blocks(GroupQuantizeKcvtKernel<DType, D, BITS>, 256);
+  const int64_t tc = (p.group + kKcvtCluster - 1) / kKcvtCluster;
+  const int64_t smem = tc * CPL * 16;
   const int64_t ng = p.N * (p.T / p.group);
-  const int64_t C = kcvt_chunks(p.group, KcvtShape<DType, D>::TC);
-  const int64_t items = ng * C;
-  int64_t grid = (int64_t)per_sm * num_sms();
-  if (grid > items) grid = items;
-  if (C > grid || grid < 1) return false;
-  int* flags = reinterpret_cast<int*>(p.ws + items * 2 * D + ng * 2 * D);
-  if (cudaMemsetAsync(flags, 0, 2 * ng * sizeof(int), stream) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  GroupQuantParams pc = p;
-  int64_t ngc = ng, cc = C;
-  void* args[] = {&pc, &ngc, &cc};
-  const cudaError_t e = cudaLaunchCooperativeKernel(
-      reinterpret_cast<const void*>(GroupQuantizeKcvtKernel<DType, D, BITS>), dim3((unsigned)grid),
-      dim3(256), args, 0, stream);
-  if (e != cudaSuccess) {
-    (void)cudaGetLastError();  // e.g. cudaErrorCooperativeLaunchTooLarge: take the split path
-    return false;
-  }
+  if (!ok || smem > kKcvtClusterSmem || ng * kKcvtCluster > 0x7fffffff) return false;
+  kernel<<<(unsigned)(ng * kKcvtCluster), 256, (size_t)smem, stream>>>(p, tc);
+  if (cudaGetLastError() != cudaSuccess) return false;  // not sticky: a launch-configuration error
   return true;
 }
 
@@ -1215,7 +1155,7 @@ cudaError_t GroupQuantize(const GroupQuantParams& p, cudaStream_t stream) {
       GroupQuantizePerChannelTileKernel<DType, D, BITS, kTileTokensPerThread>
           <<<(unsigned)blocks, threads, smem, stream>>>(p);
     } else if (p.ws != nullptr && GroupQuantizeWsFloats<DType, EPL>(p) > 0) {
-      if (LaunchKcvtCooperative<DType, D, BITS>(p, stream)) return cudaSuccess;
+      if (LaunchKcvtCluster<DType, D, BITS>(p, stream)) return cudaSuccess;
       const SplitPlan sp = split_plan(p, num_sms());
       const unsigned nb = (unsigned)(sp.ng * sp.chunks);
       GroupMinMaxPartialKernel<DType, D><<<nb, 256, 0, stream>>>(p, sp.chunks, sp.tokens);
