@@ -9,13 +9,10 @@ t0=$(date +%s); ts() { echo "=== [$(( $(date +%s) - t0 ))s] $*"; }
 ts "device"; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tail -1
 ts "build extension"
-python3 -m pip install --no-build-isolation --no-deps -v . -C build-dir=build/gpu > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+# the C++ benches (bench/*.cu) are built by the same CMake run (KVQ_BUILD_BENCH)
+python3 -m pip install --no-build-isolation --no-deps -v . -C build-dir=build/gpu \
+  -C cmake.define.KVQ_BUILD_BENCH=ON > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 grep -E "kvquant-ext:|CMake Error|Successfully installed" "$OUT/build.log"
-ts "build C++ benches"
-need_cpp=0; for b in "$@"; do case "$b" in *.py*) ;; *) need_cpp=1 ;; esac; done
-if [ "$need_cpp" = 1 ]; then
-  (cmake -S . -B build/kern -G Ninja -DKVQ_KERNELS_ONLY=ON > "$OUT/kern.log" 2>&1 && cmake --build build/kern -j 16 >> "$OUT/kern.log" 2>&1) || tail -30 "$OUT/kern.log"
-fi
 ts "CUDA tests"
 # one process per test file: a crash loses at most the rest of its file
 sel=${K:+($K) and }"not bad_input"
@@ -29,7 +26,7 @@ for b in "$@"; do
   # shellcheck disable=SC2086
   case "$b" in
     *.py*) python3 bench/$b 2>&1 | tee -a "$OUT/bench.log" ;;
-    *) ./build/kern/bench/$b 2>&1 | tee -a "$OUT/bench.log" ;;
+    *) ./build/gpu/bench/$b 2>&1 | tee -a "$OUT/bench.log" ;;
   esac
 done
 if [ -n "${NCU:-}" ]; then ts "ncu"; bash bench/ncu_decode.sh > "$OUT/ncu.log" 2>&1; grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Warp Cycles Per Issued|Block Limit|Waves|One or More|No Eligible|Stall" "$OUT/ncu.log" | head -40; fi
