@@ -6,12 +6,15 @@ fused op for a few presets, at the shapes given.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
-
 import kvquant_ext as kvq
+
+sys.path.insert(0, os.path.dirname(__file__))
+from utils import kernel_table  # noqa: E402
 
 
 def main(argv=None):
@@ -33,15 +36,8 @@ def main(argv=None):
                 cache.update(k, v, 0)
                 fns[name] = (lambda c: (lambda: kvq.decode_attention(q, c, 0)))(cache)
             for label, fn in fns.items():
-                for _ in range(3):
-                    fn()
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    for _ in range(10):
-                        fn()
-                    torch.cuda.synchronize()
                 print(f"\n### B={B} L={L} {label} (10 calls)")
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+                print(kernel_table(fn, calls=10, rows=8))
 
 
 if __name__ == "__main__":

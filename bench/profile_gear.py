@@ -6,11 +6,14 @@ quantize it is compared with, at [B, H, T, D] fp16.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
 import kvquant_ext as kvq
+
+sys.path.insert(0, os.path.dirname(__file__))
+from utils import kernel_table  # noqa: E402
 
 
 def main(argv=None):
@@ -31,15 +34,8 @@ def main(argv=None):
     fns["kivi quantize keys G=64"] = lambda: kvq.quantize(x, 2, 64, True, check_finite=False)
     fns["kivi quantize values G=64"] = lambda: kvq.quantize(x, 2, 64, False, check_finite=False)
     for label, fn in fns.items():
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.calls):
-                fn()
-            torch.cuda.synchronize()
         print(f"\n### {label} {tuple(args.shape)} ({args.calls} calls; per-call us = total / {args.calls})")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
+        print(kernel_table(fn, calls=args.calls, rows=12))
 
 
 if __name__ == "__main__":

@@ -84,3 +84,18 @@ def table(rows, headers) -> str:
     for r in rows:
         out.append("| " + " | ".join(str(c) for c in r) + " |")
     return "\n".join(out)
+
+
+def kernel_table(fn: Callable[[], object], calls: int = 10, rows: int = 10) -> str:
+    """torch.profiler table of the CUDA kernels that ``calls`` calls of ``fn`` launch (after
+    two warm-up calls), sorted by total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+
