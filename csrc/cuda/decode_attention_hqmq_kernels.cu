@@ -64,9 +64,7 @@ static cudaError_t launch_hqmq(const HqmqAttnParams& p, const SplitPlan& plan, c
   DecodeAttnParams cp;  // the combine kernel reads only ws and writes out
   cp.ws = p.ws;
   cp.out = p.out;
-  DecodeAttentionCombineKernel<DType, D>
-      <<<(unsigned)(p.B * p.Hq), D < 128 ? D : 128, 0, stream>>>(cp, plan.splits());
-  return cudaGetLastError();
+  return LaunchDecodeAttentionCombine<DType, D>(cp, p.B * p.Hq, plan.splits(), stream);
 }
 
 cudaError_t decode_attention_hqmq_cuda(const HqmqAttnParams& p, DTypeId dtype, cudaStream_t stream) {

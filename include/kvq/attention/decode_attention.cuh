@@ -1115,6 +1115,21 @@ __device__ __forceinline__ void write_split_partial(float* ws, const char* slots
   }
 }
 
+// Programmatic dependent launch (sm_90): the combine kernel is launched while the split kernel
+// still runs (every split CTA allows it as soon as it starts) and waits in griddepcontrol.wait
+// until that grid has completed and its writes are visible -- its launch latency is hidden
+// behind the split kernel's tail.  Both instructions are no-ops without such a dependency.
+__device__ __forceinline__ void pdl_allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 /// \brief How the token axis is split over CTAs (computed on the host).  CTAs [0, ns) of a
 /// (batch, KV head) row run the mma path over their chunk of [0, t_main); the tail [t_main, T)
 /// (the residual window) runs on the generic path in chunks of `tail_chunk` tokens, chunk k on
@@ -1163,6 +1178,7 @@ inline size_t decode_attention_smem_bytes(int g) {
 template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR, int NGV = 0>
 __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
     DecodeAttentionKernel(DecodeAttnParams p, SplitPlan plan) {
+  pdl_allow_dependents();
   extern __shared__ __align__(16) char smem[];
   const int split = blockIdx.x;
   const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
@@ -1215,6 +1231,7 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
 /// \brief Merge split partials: out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - M).
 template <typename DType, int D>
 __global__ void DecodeAttentionCombineKernel(DecodeAttnParams p, int splits) {
+  pdl_wait_prerequisites();
   const int64_t row = blockIdx.x;  // b * Hq + hq
   const float* ws = p.ws + row * splits * (D + 2);
   float M = -INFINITY;
@@ -1233,6 +1250,26 @@ __global__ void DecodeAttentionCombineKernel(DecodeAttnParams p, int splits) {
     }
     out[d] = from_float<DType>(L > 0.f ? a / L : 0.f);
   }
+}
+
+/// \brief Launch the combine over `rows` = B * Hq output rows as a programmatic dependent of
+/// the split kernel just launched on `stream` (a plain launch where that is refused).
+template <typename DType, int D>
+cudaError_t LaunchDecodeAttentionCombine(const DecodeAttnParams& p, int64_t rows, int splits, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)rows);
+  cfg.blockDim = dim3(D < 128 ? D : 128);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, DecodeAttentionCombineKernel<DType, D>, p, splits) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();
+  DecodeAttentionCombineKernel<DType, D><<<cfg.gridDim, cfg.blockDim, 0, stream>>>(p, splits);
+  return cudaGetLastError();
 }
 
 inline bool aligned16(const void* ptr, int64_t sb, int64_t sh, int64_t elem) {
@@ -1352,8 +1389,7 @@ cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& pl
   kernel<<<grid, kWarps * 32, smem, stream>>>(p, plan);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  DecodeAttentionCombineKernel<DType, D><<<(unsigned)(p.B * p.Hq), D < 128 ? D : 128, 0, stream>>>(p, plan.splits());
-  return cudaGetLastError();
+  return LaunchDecodeAttentionCombine<DType, D>(p, p.B * p.Hq, plan.splits(), stream);
 }
 
 /// \brief Resident CTAs per SM of an instantiation (0 on error), for the split plan.

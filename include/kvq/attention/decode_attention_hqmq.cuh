@@ -456,6 +456,7 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
 template <typename DType, int D, int FMT>
 __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
     HqmqDecodeAttentionKernel(HqmqAttnParams p, SplitPlan plan, HqmqSmem sm) {
+  pdl_allow_dependents();  // the combine kernel may launch (it waits for this grid to finish)
   extern __shared__ __align__(16) char smem[];
   const int split = blockIdx.x;
   const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
