@@ -527,6 +527,54 @@ def test_cuda_power_iter(dtype, T, d, rank):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,d", [(257, 64), (4096, 128), (5000, 128), (300, 64), (1000, 256)])
+@pytest.mark.parametrize("rank,iters", [(1, 1), (2, 3), (4, 3), (4, 2), (8, 3)])
+def test_cuda_power_iter_gram_path(dtype, T, d, rank, iters):
+    """16-bit inputs, d in {64, 128}, T > 256: the Gram path (C = x^T x on tensor cores, all
+    iterations on C, then A = x W); d = 256 keeps the pass path.  Compared with the CPU op:
+    A orthonormal, B = x^T A, error near the CPU op's, same subspace, deterministic."""
+    X = decaying((2, 3, T, d), seed=T + d + rank).to(dtype)
+    A0, B0 = kvq.lowrank_power_iter(X, rank, iters, 0)
+    A1, B1 = kvq.lowrank_power_iter(X.cuda(), rank, iters, 0)
+    A2, B2 = kvq.lowrank_power_iter(X.cuda(), rank, iters, 0)
+    torch.testing.assert_close(A2, A1, rtol=0, atol=0)  # fixed-order reductions
+    torch.testing.assert_close(B2, B1, rtol=0, atol=0)
+    A1, B1 = A1.cpu().double(), B1.cpu().double()
+    Xd = X.double()
+    eye = torch.eye(rank, dtype=torch.float64)
+    torch.testing.assert_close(A1.mT @ A1, eye.expand(2, 3, -1, -1), atol=1e-2, rtol=0)
+    S = torch.linalg.svdvals(Xd)
+    ref = Xd.mT @ A1
+    assert ((B1 - ref).flatten(-2).norm(dim=-1) <= 2e-2 * S[..., 0]).all()
+    e0 = (Xd - A0.double() @ B0.double().mT).flatten(-2).norm(dim=-1)
+    e1 = (Xd - A1 @ B1.mT).flatten(-2).norm(dim=-1)
+    assert (e1 <= 1.01 * e0 + 0.02 * S[..., 0]).all(), (e1, e0)
+    if iters >= 2 and rank < 8:
+        P0 = A0.double() @ A0.double().mT
+        torch.testing.assert_close(A1 @ A1.mT, P0, atol=0.02, rtol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_power_iter_gram_path_batch_and_degenerate(dtype):
+    # many matrices (one split each), a zero matrix and a rank-1 matrix in the batch
+    X = decaying((70, 1, 600, 64), seed=3).to(dtype)
+    X[1] = 0
+    X[2] = (torch.randn(1, 600, 1) @ torch.randn(1, 1, 64)).to(dtype)
+    A, B = kvq.lowrank_power_iter(X.cuda(), 4, 3, 0)
+    A, B = A.cpu().double(), B.cpu().double()
+    assert torch.isfinite(A).all() and torch.isfinite(B).all()
+    assert (A[1] == 0).all() and (B[1] == 0).all()
+    Xd = X.double()
+    assert rel_err(A[2] @ B[2].mT, Xd[2]) < 1e-2
+    S = torch.linalg.svdvals(Xd[3:])
+    opt = S[..., 4:].pow(2).sum(-1).sqrt()
+    err = (Xd[3:] - A[3:] @ B[3:].mT).flatten(-2).norm(dim=-1)
+    assert (err <= opt * 1.03 + 0.05 * S[..., 0]).all()
+
+
+@needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize("bits,G", [(2, 32), (4, -1), (2, 64)])

@@ -22,6 +22,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "kvq/common/half.h"
 #include "kvq/linalg/power_svd.h"
 
@@ -569,6 +571,380 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterFinalizeKernel(PowerIter
     dst[idx] = Bs[(idx / RB) * kBStride + idx % RB];
 }
 
+// ---------------------------------------------------------------------------
+// Gram path (16-bit inputs, d in {64, 128}, T above the one-block path): every iteration
+// only needs C = X^T X ([d, d]): M = X^T X B~ = C B~ and G = P^T P = B~^T C B~.  So X is
+// read twice in total, in 3 launches:
+//  1. PowerGramKernel, grid (S, N): C of a T-slice on tensor cores (mma.sync m16n8k16,
+//     16-bit products exact, fp32 accumulation), upper-triangle 16x16 blocks only, written
+//     as one packed partial per block (power_gram_packed_floats).  X tiles of 64 rows stream
+//     through a 4-stage cp.async pipeline (rows padded by 8 halfs: conflict-free ldmatrix).
+//     Warp w owns the block rows i0 = w % NP and NB-1-i0 (NB + 1 blocks, balanced) and the
+//     k16-steps ks = w / NP (mod KG) of every tile; the KG warp groups are summed in a fixed
+//     order through shared memory (deterministic).
+//  2. PowerGramIterateKernel, one block per matrix: sums the S partials in a fixed order into
+//     a full symmetric C in shared memory and runs all iterations on it (M = C B~,
+//     G = B~^T M, then pow_finalize: the same Cholesky-QR / orth / Jacobi truncation as the
+//     pass path); writes B and W (workspace).
+//  3. PowerGramApplyKernel, grid (SA, N): A = X W (thread = row x 8 channels, one 16-byte
+//     load, W slice in registers, xor-shuffle reduction).
+// Workspace (floats): Bt [N, d, RB] (unused) | W [N, d, RB] | partials [N, S, packed].
+// ---------------------------------------------------------------------------
+constexpr int kGramRows = 64;    // rows per pipeline stage
+constexpr int kGramStages = 4;   // cp.async stages
+
+template <int D>
+struct GramDims {
+  static constexpr int NB = D / 16;                        // 16-channel blocks
+  static constexpr int NP = NB / 2;                        // block-row pairs (warps per group)
+  static constexpr int KG = (kPowThreads / 32) / NP;       // warp groups splitting k-steps
+  static constexpr int NBLK = NB * (NB + 1) / 2;           // upper-triangle blocks
+  static constexpr int PACK = NBLK * 256;                  // floats of one packed partial
+  static constexpr int RS = D + 8;                         // shared row stride (16-bit units)
+  static constexpr int STAGE = kGramRows * RS;             // 16-bit units per stage
+  static constexpr size_t SMEM = (size_t)kGramStages * STAGE * 2;
+  static_assert(NP * KG * 32 == kPowThreads, "warp layout");
+  static_assert((size_t)PACK * 4 <= SMEM, "reduction buffer reuses the pipeline");
+};
+
+KVQ_HOST_DEVICE constexpr int gram_blk(int i, int j, int NB) {
+  return i * NB - i * (i - 1) / 2 + (j - i);
+}
+
+__device__ __forceinline__ void gram_cp_async16(void* smem, const void* gmem, bool pred) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  const int n = pred ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void gram_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void gram_cp_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void gram_ldsm_x4_t(unsigned (&r)[4], const void* smem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+template <typename DType>
+__device__ __forceinline__ void gram_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0,
+                                         unsigned b1) {
+  if constexpr (std::is_same<DType, bf16_t>::value) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+/// \brief One k16-step of warp pair PR: base points at (row ks*16 + lane row, column
+/// lane half * 8) of the stage.  ldmatrix.trans of the 16x16 (rows t, channels 16 j) block
+/// gives, as registers {0, 1, 2, 3}, the m16k16 A fragment of X^T for channel block j; its
+/// registers {0, 2} / {1, 3} are the k16n8 B fragments of channels 16 j + [0, 8) / [8, 16).
+/// acc slots: [0, NB - I0) = blocks (I0, j >= I0), then blocks (I1, j >= I1).
+template <typename DType, int D, int PR>
+__device__ __forceinline__ void gram_kstep(const uint16_t* base,
+                                           float (&acc)[GramDims<D>::NB + 1][2][4]) {
+  constexpr int NB = GramDims<D>::NB, I0 = PR, I1 = NB - 1 - PR;
+  unsigned f[NB][4];
+#pragma unroll
+  for (int j = I0; j < NB; ++j) gram_ldsm_x4_t(f[j], base + j * 16);
+#pragma unroll
+  for (int j = I0; j < NB; ++j) {
+    gram_mma<DType>(acc[j - I0][0], f[I0], f[j][0], f[j][2]);
+    gram_mma<DType>(acc[j - I0][1], f[I0], f[j][1], f[j][3]);
+  }
+#pragma unroll
+  for (int j = I1; j < NB; ++j) {
+    gram_mma<DType>(acc[NB - I0 + j - I1][0], f[I1], f[j][0], f[j][2]);
+    gram_mma<DType>(acc[NB - I0 + j - I1][1], f[I1], f[j][1], f[j][3]);
+  }
+}
+
+/// \brief Store (add == false) or add the accumulators of warp pair PR into the packed
+/// buffer red.  Accumulator layout of m16n8: {0, 1} row g, columns 2 tig + {0, 1};
+/// {2, 3} row g + 8.
+template <int D, int PR>
+__device__ __forceinline__ void gram_store(float* red, const float (&acc)[GramDims<D>::NB + 1][2][4],
+                                           int lane, bool add) {
+  constexpr int NB = GramDims<D>::NB, I0 = PR, I1 = NB - 1 - PR;
+  const int g = lane >> 2, tig = lane & 3;
+  auto put = [&](float* blk, const float (&a)[2][4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float* p0 = blk + g * 16 + h * 8 + 2 * tig;
+      float* p1 = p0 + 8 * 16;
+      if (add) {
+        p0[0] += a[h][0];
+        p0[1] += a[h][1];
+        p1[0] += a[h][2];
+        p1[1] += a[h][3];
+      } else {
+        p0[0] = a[h][0];
+        p0[1] = a[h][1];
+        p1[0] = a[h][2];
+        p1[1] = a[h][3];
+      }
+    }
+  };
+#pragma unroll
+  for (int j = I0; j < NB; ++j) put(red + gram_blk(I0, j, NB) * 256, acc[j - I0]);
+#pragma unroll
+  for (int j = I1; j < NB; ++j) put(red + gram_blk(I1, j, NB) * 256, acc[NB - I0 + j - I1]);
+}
+
+template <typename DType, int D>
+__global__ void __launch_bounds__(kPowThreads, 1) PowerGramKernel(PowerIterParams p,
+                                                                  int64_t rows_per_split,
+                                                                  int64_t part_off) {
+  static_assert(sizeof(DType) == 2, "16-bit inputs only");
+  using GD = GramDims<D>;
+  constexpr int NB = GD::NB, NP = GD::NP, KG = GD::KG, RS = GD::RS;
+  constexpr int CPR = D / 8;  // 16-byte chunks per row
+  constexpr int LOADS = kGramRows * CPR / kPowThreads;
+  static_assert(LOADS * kPowThreads == kGramRows * CPR, "tile load layout");
+  extern __shared__ __align__(16) unsigned char gram_smem[];
+  uint16_t* Xs = reinterpret_cast<uint16_t*>(gram_smem);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pr = warp % NP, kg = warp / NP;
+  const int64_t s = blockIdx.x, n = blockIdx.y, S = gridDim.x, T = p.T;
+  const DType* X = static_cast<const DType*>(p.x) + n * T * D;
+  const int64_t t_begin = s * rows_per_split;
+  const int64_t t_end = t_begin + rows_per_split < T ? t_begin + rows_per_split : T;
+  const int ntiles = t_end > t_begin ? (int)((t_end - t_begin + kGramRows - 1) / kGramRows) : 0;
+  auto load_tile = [&](int tile) {
+    uint16_t* dst = Xs + (tile % kGramStages) * GD::STAGE;
+    const int64_t t0 = t_begin + (int64_t)tile * kGramRows;
+#pragma unroll
+    for (int i = 0; i < LOADS; ++i) {
+      const int idx = tid + i * kPowThreads, row = idx / CPR, ch = (idx % CPR) * 8;
+      const int64_t t = t0 + row;
+      const bool ok = t < t_end;
+      // NOTE: rows are 16-byte aligned (D * 2 % 16 == 0, aligned base); rows past the
+      // slice are zero-filled (src-size 0) from a valid address.
+      gram_cp_async16(dst + row * RS + ch, X + (ok ? t : t_begin) * D + ch, ok);
+    }
+  };
+  float acc[NB + 1][2][4];
+#pragma unroll
+  for (int b = 0; b < NB + 1; ++b)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[b][h][e] = 0.f;
+#pragma unroll
+  for (int st = 0; st < kGramStages - 1; ++st) {
+    if (st < ntiles) load_tile(st);
+    gram_cp_commit();
+  }
+  // Lane address inside a 16x16 block: matrices {rows 0-7, 8-15} x {channels 0-7, 8-15},
+  // lanes 8 m .. 8 m + 7 give the rows of matrix m (m = 2 * row half + channel half).
+  const int lrow = (lane >> 4) * 8 + (lane & 7), lcol = ((lane >> 3) & 1) * 8;
+  for (int tile = 0; tile < ntiles; ++tile) {
+    gram_cp_wait<kGramStages - 2>();
+    __syncthreads();  // stage `tile` landed for all threads; stage tile - 1 fully consumed
+    if (tile + kGramStages - 1 < ntiles) load_tile(tile + kGramStages - 1);
+    gram_cp_commit();
+    const uint16_t* buf = Xs + (tile % kGramStages) * GD::STAGE + lrow * RS + lcol;
+#pragma unroll
+    for (int ks = 0; ks < kGramRows / 16; ks += KG) {
+      const uint16_t* base = buf + (ks + kg) * 16 * RS;
+      switch (pr) {  // warp-uniform: compile-time accumulator slots per pair
+        case 0: gram_kstep<DType, D, 0>(base, acc); break;
+        case 1: gram_kstep<DType, D, 1>(base, acc); break;
+        case 2: if constexpr (NP > 2) gram_kstep<DType, D, 2>(base, acc); break;
+        case 3: if constexpr (NP > 3) gram_kstep<DType, D, 3>(base, acc); break;
+        default: break;
+      }
+    }
+  }
+  gram_cp_wait<0>();
+  __syncthreads();  // pipeline buffers free: reuse as the packed reduction buffer
+  float* red = reinterpret_cast<float*>(gram_smem);
+  for (int g2 = 0; g2 < KG; ++g2) {  // fixed order over the warp groups: deterministic
+    if (kg == g2) {
+      switch (pr) {
+        case 0: gram_store<D, 0>(red, acc, lane, g2 > 0); break;
+        case 1: gram_store<D, 1>(red, acc, lane, g2 > 0); break;
+        case 2: if constexpr (NP > 2) gram_store<D, 2>(red, acc, lane, g2 > 0); break;
+        case 3: if constexpr (NP > 3) gram_store<D, 3>(red, acc, lane, g2 > 0); break;
+        default: break;
+      }
+    }
+    __syncthreads();
+  }
+  float4* part = reinterpret_cast<float4*>(p.ws + part_off + (n * S + s) * (int64_t)GD::PACK);
+  const float4* red4 = reinterpret_cast<const float4*>(red);
+  for (int idx = tid; idx < GD::PACK / 4; idx += kPowThreads) part[idx] = red4[idx];
+}
+
+template <typename DType, int D, int RB>
+__global__ void __maxnreg__(224) PowerGramIterateKernel(PowerIterParams p, int64_t S) {
+  using GD = GramDims<D>;
+  constexpr int NB = GD::NB, LD = D + 1, PACK = GD::PACK, KS = kPowThreads / D, KL = D / KS;
+  extern __shared__ float gram_C[];  // [D, LD]: the full symmetric Gram matrix
+  __shared__ float Bs[D * kBStride];
+  __shared__ float Ms[D * RB];
+  __shared__ float Mred[KS * D * RB];
+  __shared__ double Gd[RB * RB], Kd[RB * RB], Gtmp[RB * RB];
+  __shared__ int s_flag;
+  const int64_t n = blockIdx.x, N = p.N;
+  const int r = p.rank, tid = threadIdx.x;
+  const float* part = p.ws + 2 * N * D * RB + n * S * PACK;
+  for (int e = tid; e < PACK; e += kPowThreads) {
+    float acc = 0.f;
+    for (int64_t sp = 0; sp < S; ++sp) acc += part[sp * PACK + e];  // fixed order
+    const int b = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
+    int i = 0, rem = b;
+    while (rem >= NB - i) {
+      rem -= NB - i;
+      ++i;
+    }
+    const int row = i * 16 + rr, col = (i + rem) * 16 + cc;
+    gram_C[row * LD + col] = acc;
+    gram_C[col * LD + row] = acc;
+  }
+  pow_init_basis<RB>(Bs, D, RB, p.seed, Gtmp, Kd, &s_flag);  // barriers: gram_C complete
+  DType* Bout = static_cast<DType*>(p.B) + n * D * r;
+  for (int it = 1; it <= p.iters; ++it) {
+    {  // M = C B~: thread (j, k-slice), reading C[k][j] (= C[j][k]) along j: conflict-free
+      const int j = tid % D, ks = tid / D;
+      float acc[RB];
+#pragma unroll
+      for (int c = 0; c < RB; ++c) acc[c] = 0.f;
+#pragma unroll 4
+      for (int k = ks * KL; k < ks * KL + KL; ++k) {
+        const float cv = gram_C[k * LD + j];
+        const float* b = Bs + k * kBStride;
+#pragma unroll
+        for (int c = 0; c < RB; ++c) acc[c] = fmaf(cv, b[c], acc[c]);
+      }
+#pragma unroll
+      for (int c = 0; c < RB; ++c) Mred[(ks * D + j) * RB + c] = acc[c];
+    }
+    __syncthreads();
+    for (int e = tid; e < D * RB; e += kPowThreads) {
+      float sum = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) sum += Mred[ks * D * RB + e];
+      Ms[e] = sum;
+    }
+    __syncthreads();
+    if (tid < RB * RB) {  // G = B~^T M = B~^T C B~ (double sums)
+      const int a = tid / RB, b = tid % RB;
+      double sum = 0.0;
+      for (int j = 0; j < D; ++j) sum += (double)Bs[j * kBStride + a] * (double)Ms[j * RB + b];
+      Gtmp[tid] = sum;
+    }
+    __syncthreads();
+    if (tid < RB * RB) {
+      const int a = tid / RB, b = tid % RB;
+      Gd[tid] = 0.5 * (Gtmp[a * RB + b] + Gtmp[b * RB + a]);
+    }
+    pow_finalize<DType, RB>(Ms, Gd, Kd, Bs, D, r, it == p.iters, p.seed, Bout, Gtmp, &s_flag);
+  }
+  float* W = p.ws + N * D * RB + n * D * RB;
+  for (int idx = tid; idx < D * RB; idx += kPowThreads) W[idx] = Bs[(idx / RB) * kBStride + idx % RB];
+}
+
+/// \brief Rows in flight per thread of PowerGramApplyKernel (no spills at 128 registers).
+constexpr int gram_apply_batch(int rb) { return rb >= 6 ? 4 : 8; }
+
+/// \brief A = X W for the Gram path: thread (row slot, seg) owns channels [8 seg, 8 seg + 8)
+/// (one 16-byte load per row), U rows per thread in flight, P reduced over the D / 8 lanes
+/// of a row with xor shuffles; lane seg < r writes A[t, seg].
+template <typename DType, int D, int RB>
+__global__ void __launch_bounds__(kPowThreads, 2) PowerGramApplyKernel(PowerIterParams p,
+                                                                       int64_t rows_per_split) {
+  static_assert(sizeof(DType) == 2, "16-bit inputs only");
+  constexpr int SEGS = D / 8, RPS = kPowThreads / SEGS, U = gram_apply_batch(RB);
+  const int tid = threadIdx.x, seg = tid % SEGS, rsub = tid / SEGS;
+  const int64_t s = blockIdx.x, n = blockIdx.y, N = p.N, T = p.T;
+  const int r = p.rank;
+  const float* Wg = p.ws + N * D * RB + n * D * RB;
+  float w[8][RB];
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+#pragma unroll
+    for (int c = 0; c < RB; ++c) w[e][c] = Wg[(seg * 8 + e) * RB + c];
+  const int64_t t_begin = s * rows_per_split;
+  const int64_t t_end = t_begin + rows_per_split < T ? t_begin + rows_per_split : T;
+  const DType* X = static_cast<const DType*>(p.x) + n * T * D;
+  DType* A = static_cast<DType*>(p.A) + n * T * r;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += RPS * U) {  // uniform trip count
+    PowVec<DType, 8> raw[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t t = t0 + u * RPS + rsub;
+      if (t < t_end) {
+        raw[u] = *reinterpret_cast<const PowVec<DType, 8>*>(X + t * D + seg * 8);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) raw[u].v[e] = from_float<DType>(0.f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float pc[RB];
+#pragma unroll
+      for (int c = 0; c < RB; ++c) pc[c] = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float x = to_float(raw[u].v[e]);
+#pragma unroll
+        for (int c = 0; c < RB; ++c) pc[c] = fmaf(x, w[e][c], pc[c]);
+      }
+#pragma unroll
+      for (int o = 1; o < SEGS; o <<= 1)
+#pragma unroll
+        for (int c = 0; c < RB; ++c) pc[c] += __shfl_xor_sync(kPowFullMask, pc[c], o);
+      float pa = 0.f;
+#pragma unroll
+      for (int c = 0; c < RB; ++c)
+        if (c == seg) pa = pc[c];
+      const int64_t t = t0 + u * RPS + rsub;
+      if (t < t_end && seg < r) A[t * r + seg] = from_float<DType>(pa);
+    }
+  }
+}
+
+/// \brief The Gram path launcher (3 launches).
+template <typename DType, int D, int RB>
+cudaError_t PowerIterGram(const PowerIterParams& p, cudaStream_t stream) {
+  using GD = GramDims<D>;
+  const size_t c_smem = (size_t)D * (D + 1) * sizeof(float);
+  static const cudaError_t attr_pass = cudaFuncSetAttribute(
+      PowerGramKernel<DType, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)GD::SMEM);
+  if (attr_pass != cudaSuccess) return attr_pass;
+  static const cudaError_t attr_it = cudaFuncSetAttribute(
+      PowerGramIterateKernel<DType, D, RB>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      (int)c_smem);
+  if (attr_it != cudaSuccess) return attr_it;
+  const int64_t S = power_gram_splits(p.N, p.T);
+  const int64_t rps = ((p.T + S - 1) / S + kGramRows - 1) / kGramRows * kGramRows;
+  PowerGramKernel<DType, D><<<dim3((unsigned)S, (unsigned)p.N), kPowThreads, GD::SMEM, stream>>>(
+      p, rps, 2 * p.N * D * RB);
+  PowerGramIterateKernel<DType, D, RB><<<(unsigned)p.N, kPowThreads, c_smem, stream>>>(p, S);
+  constexpr int64_t kApplyRows = (kPowThreads / (D / 8)) * gram_apply_batch(RB);  // rows per batch
+  int64_t SA = 264 / p.N;
+  const int64_t by_rows = (p.T + kApplyRows - 1) / kApplyRows;
+  SA = SA < by_rows ? SA : by_rows;
+  SA = SA < 1 ? 1 : SA;
+  PowerGramApplyKernel<DType, D, RB>
+      <<<dim3((unsigned)SA, (unsigned)p.N), kPowThreads, 0, stream>>>(p, (p.T + SA - 1) / SA);
+  return cudaGetLastError();
+}
+
 /// \brief Small-path dynamic shared memory (bytes) for T rows, or 0 if it does not fit.
 template <int DMAX>
 inline size_t power_small_smem(int64_t T) {
@@ -600,6 +976,10 @@ cudaError_t PowerIter(const PowerIterParams& p, cudaStream_t stream) {
   }
   if (p.ws == nullptr) return cudaErrorInvalidValue;
   if (p.N > 65535) return cudaErrorInvalidConfiguration;
+  // 16-bit inputs with d in {64, 128} (GEAR residuals): Gram path, X read twice.
+  if constexpr (sizeof(DType) == 2 && (DMAX == 64 || DMAX == 128)) {
+    if (p.d == DMAX) return PowerIterGram<DType, DMAX, RB>(p, stream);
+  }
   const int64_t S = power_iter_splits(p.N, p.T);
   const int64_t rps = ((p.T + S - 1) / S + kPowTile - 1) / kPowTile * kPowTile;
   const dim3 grid((unsigned)S, (unsigned)p.N);

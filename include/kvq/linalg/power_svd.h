@@ -63,10 +63,35 @@ inline int64_t power_iter_splits(int64_t N, int64_t T) {
   return s < 1 ? 1 : s;
 }
 
+/// \brief Whether the CUDA Gram path can serve head dim d (it also needs 16-bit inputs and
+/// T above the one-block path; the launcher checks those).
+inline bool power_gram_dim(int64_t d) { return d == 64 || d == 128; }
+
+/// \brief T-splits of the CUDA Gram pass (device independent): about one 256-thread block
+/// per SM of an H100/H200 in total, >= 256 rows per block, at most 64 partials per matrix.
+inline int64_t power_gram_splits(int64_t N, int64_t T) {
+  const int64_t by_rows = (T + 255) / 256;
+  int64_t by_blocks = N > 0 ? 132 / N : 1;
+  if (by_blocks < 1) by_blocks = 1;
+  int64_t s = by_rows < by_blocks ? by_rows : by_blocks;
+  if (s > 64) s = 64;
+  return s < 1 ? 1 : s;
+}
+
+/// \brief Floats of one packed Gram partial: the upper-triangle 16x16 blocks of the [d, d]
+/// Gram matrix, block (i, j >= i) row-major inside, blocks in row-major order.
+inline int64_t power_gram_packed_floats(int64_t d) {
+  const int64_t nb = d / 16;
+  return nb * (nb + 1) / 2 * 256;
+}
+
 /// \brief Workspace (floats) of the CUDA launcher.
 inline int64_t power_iter_workspace_floats(int64_t N, int64_t T, int64_t d, int r) {
   const int64_t rb = power_width(r);
-  return 2 * N * d * rb + N * power_iter_splits(N, T) * (d * rb + rb * rb);
+  const int64_t pass_parts = N * power_iter_splits(N, T) * (d * rb + rb * rb);
+  const int64_t gram_parts =
+      power_gram_dim(d) ? N * power_gram_splits(N, T) * power_gram_packed_floats(d) : 0;
+  return 2 * N * d * rb + (pass_parts > gram_parts ? pass_parts : gram_parts);
 }
 
 /// \brief Deterministic start vector entry in [-1, 1) (splitmix64 of seed, row, column).
