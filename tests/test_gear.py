@@ -802,6 +802,50 @@ def test_cuda_gear_values_fused_nonfinite(dtype):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_cuda_gear_values_fused_layout_edges(dtype, D, k):
+    """16 channels per lane, D / 16 lanes per row, several rows per warp: row counts that are
+    not a multiple of the rows per warp, the whole top / bottom k + 1 inside one lane (the
+    list depth), ties spread over lanes, and warps that mix fast rows with rows that need the
+    exact path (NaN / Inf / |x| > 65504, zero clamp bounds)."""
+    s = _k_sparsity(k, D)
+    g = torch.Generator().manual_seed(D * 10 + k)
+    for shape in ((1, 1, 301, D), (3, 1, 259, D)):
+        x = kv_like(*shape, seed=k + D, dtype=dtype)
+        _check_values_fused(x, 2, min(64, D), s)
+        _check_values_fused(x, 4, 8, s, rank=0)
+    x = torch.randn(2, 1, 320, D, generator=g).to(dtype)
+    x[:, :, 0::5, 16:16 + k + 1] = 50.0                   # top k + 1 in lane 1 (ties)
+    x[:, :, 1::5, D - 16:D - 15 + k] = -60.0              # bottom k + 1 in the last lane
+    x[:, :, 2::5, ::16] = 9.0                             # one tie per lane
+    x[:, :, 2::5, 8::16] = -9.0
+    x[:, :, 3::5, ::2] = 3.0                              # ties of equal values all over
+    x[:, :, 3::5, 1::2] = -3.0
+    for bits, G in ((2, 64), (4, 8), (8, 16), (2, D)):
+        _check_values_fused(x, bits, min(G, D), s)
+    # rows needing the exact path next to fast rows (same warp): zero bounds, big values
+    y = torch.randn(2, 1, 320, D, generator=g).to(dtype)
+    y[:, :, 5::7] = y[:, :, 5::7].abs()                   # lo = +0 or -0 below
+    y[:, :, 5::7, 3 : 3 + k + 1] = 0.0
+    y[:, :, 5::7, 20] = -0.0
+    y[:, :, 6::11] = -y[:, :, 6::11].abs()                # hi = -0
+    y[:, :, 6::11, 7 : 7 + k + 1] = -0.0
+    _check_values_fused(y, 2, min(64, D), s)
+    _check_values_fused(y, 4, 8, s)
+    if dtype == torch.bfloat16:
+        y[:, :, 9::13, 30] = 70000.0                      # |x| > 65504: out of range
+        with pytest.raises(RuntimeError):
+            kvq.gear_compress(y.cuda(), 2, min(64, D), False, s, 2)
+    y[:, :, 10::17, 33] = float("inf")
+    y[:, :, 11::19, 40] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN"):
+        kvq.gear_compress(y.cuda(), 2, min(64, D), False, s, 2)
+    _check_values_fused(y, 2, min(64, D), s, rank=0, check_finite=False, nan_values=True)
+
+
+@needs_cuda
 def test_cuda_gear_values_fused_bench_shape():
     """The benchmark's gear-2 value shape (many rows per warp)."""
     x = kv_like(2, 4, 4096, 128, seed=3)

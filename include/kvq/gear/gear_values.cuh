@@ -6,19 +6,25 @@
 // Scope: fp16 / bf16, D in {64, 128, 256}, per-token groups G (power of two, 8 <= G <= D),
 // 1 <= k <= KMAX (2, 4 or 8 by instantiation).  Everything else keeps the old path.
 //
-// One warp per token row (rows strided over the grid, the next row's 16-bit words
-// prefetched into registers); lane l owns the EPL = D / 32 consecutive channels
-// [l * EPL, (l + 1) * EPL) (one 4, 8 or 16-byte load).
-//  1. keys: the 32-bit composite (order key of the 16-bit value << 16 | 0xffff - j): the
-//     strict order (value, -index) of outlier_topk.h, -0 < +0, NaNs at the ends.
-//  2. selection: each lane keeps its P = min(KMAX + 1, EPL) largest and smallest keys
-//     (insertion networks of unsigned max / min), then k + 1 rounds of one
-//     __reduce_max_sync / __reduce_min_sync on the list heads (the winning lane pops its
+// Layout: 16 consecutive channels per lane (two 16-byte loads), LPR = D / 16 lanes per row
+// (4, 8, 16), 32 / LPR rows per warp and pass (rows strided over the grid, the next pass's
+// words prefetched), so the per-row work (selection rounds, group shuffles, qparams, entry
+// writes) is shared by 16-channel lanes.
+//  1. keys: the 32-bit composite (order key of the 16-bit value << 16 | b * 0x101), b = 0xff - j:
+//     the strict order (value, -index) of outlier_topk.h, -0 < +0, NaNs at the ends.
+//  2. selection: each lane keeps its P = min(KMAX + 1, 16) largest and smallest keys
+//     (insertion networks of unsigned max / min), then k + 1 rounds of a log2(LPR)-step xor
+//     butterfly (max / min) over the row's lanes on the list heads (the winning lane pops its
 //     head; keys are unique, so exactly one lane wins).  A lane holds at most k + 1 of the
 //     top k + 1, so the lists never run dry.  Round k yields hiK / loK, the (k+1)-th
 //     largest / smallest keys: outliers are exactly the keys > hiK or < loK, and the bounds
-//     are their values.  Each lane t < 2k then writes one selected entry at its rank by
-//     index (the k winners of each side are known to every lane from the reductions).
+//     are their values.  Lanes write the 2k selected entries at their rank by index (the
+//     winners are known to every lane of the row); after the residual stores (and a
+//     __syncwarp) they also store the outliers' residual 0.
+//  Fast path (warp-uniform): no value of the warp's rows outside [-65504, 65504] (NaN / Inf
+//  included; read off the lane's extreme keys) and no zero clamp bound: then clamp by
+//  fminf / fmaxf and codes without the q clamps and the residual finite check (same bits:
+//  the argument of group_quant.cuh's fast path).  Otherwise the exact path below.
 //  3. xc = clamp(x, lo, hi) with the CPU op's fmaxf / fminf semantics (glibc: ties return the
 //     first operand, a NaN operand returns the other one), so -0 / +0 and NaN cases match.
 //  4. per-token group min / max of xc (NaN ignored, as the CPU's fminf / fmaxf from
@@ -31,6 +37,8 @@
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <type_traits>
 
 #include "kvq/gear/gear.h"
 #include "kvq/quant/group_quant.cuh"
@@ -57,32 +65,75 @@ __device__ __forceinline__ float gv_cpu_fmin(float x, float y, bool ynan) { retu
 /// First-zero code of an ordered combine: 0 none, 1 +0, 2 -0; a wins when it has one.
 __device__ __forceinline__ int gv_first(int a, int b) { return a != 0 ? a : b; }
 
+/// Channels per lane: 16 (two 16-byte loads of 16-bit values), so that the per-row work
+/// (selection rounds, group shuffles, qparams, entry writes) is shared by D / 16 lanes.
+constexpr int kGvElems = 16;
+
+/// The NW = 8 words of lane lr of a row (two 16-byte loads).
 template <int NW>
-__device__ __forceinline__ void gv_load_words(const uint32_t* row, int lane, uint32_t (&w)[NW]) {
-  static_assert(NW == 1 || NW == 2 || NW == 4, "one 4, 8 or 16-byte load per lane");
-  if constexpr (NW == 1) {
-    w[0] = row[lane];
-  } else if constexpr (NW == 2) {
-    const uint2 v = reinterpret_cast<const uint2*>(row)[lane];
-    w[0] = v.x;
-    w[1] = v.y;
-  } else {
-    const uint4 v = reinterpret_cast<const uint4*>(row)[lane];
-    w[0] = v.x;
-    w[1] = v.y;
-    w[2] = v.z;
-    w[3] = v.w;
-  }
+__device__ __forceinline__ void gv_load_lane(const uint32_t* row, int lr, uint32_t (&w)[NW]) {
+  static_assert(NW == 8, "two 16-byte loads per lane");
+  const uint4* r4 = reinterpret_cast<const uint4*>(row) + 2 * lr;
+  const uint4 a = r4[0], b = r4[1];
+  w[0] = a.x;
+  w[1] = a.y;
+  w[2] = a.z;
+  w[3] = a.w;
+  w[4] = b.x;
+  w[5] = b.y;
+  w[6] = b.z;
+  w[7] = b.w;
 }
 
 template <int NW>
-__device__ __forceinline__ void gv_store_words(uint16_t* row, int lane, const uint32_t (&w)[NW]) {
-  if constexpr (NW == 1) {
-    reinterpret_cast<uint32_t*>(row)[lane] = w[0];
-  } else if constexpr (NW == 2) {
-    reinterpret_cast<uint2*>(row)[lane] = make_uint2(w[0], w[1]);
+__device__ __forceinline__ void gv_store_lane(uint16_t* row, int lr, const uint32_t (&w)[NW]) {
+  static_assert(NW == 8, "two 16-byte stores per lane");
+  uint4* r4 = reinterpret_cast<uint4*>(row) + 2 * lr;
+  r4[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  r4[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+/// prmt.b32 (default mode: a selector nibble with bit 3 set replicates the byte's sign).
+__device__ __forceinline__ uint32_t gv_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+/// Selected entry t (t < k: top entry t, else bottom entry t - k), t < 2k.
+template <int KMAX>
+__device__ __forceinline__ uint32_t gv_entry(const uint32_t (&tb)[KMAX], const uint32_t (&bb)[KMAX],
+                                             int t, int k) {
+  const bool top = t < k;
+  const int tt = top ? t : t - k;
+  uint32_t item = 0u;
+#pragma unroll
+  for (int rr = 0; rr < KMAX; ++rr)
+    if (rr == tt) item = top ? tb[rr] : bb[rr];
+  return item;
+}
+
+/// The lane's E codes, given as the bits of 1.5 * 2^23 + code, packed (code i at bit
+/// (i % (32 / BITS)) * BITS of word i / (32 / BITS)) by shift-adds and stored (E * BITS / 32
+/// words at words[lr * that]).
+template <int E, int BITS>
+__device__ __forceinline__ void gv_pack_store(const uint32_t (&mb)[E], int32_t* words, int lr) {
+  constexpr int CPW = 32 / BITS, WPL = E / CPW;
+  static_assert(E % CPW == 0 && (WPL == 1 || WPL == 2 || WPL == 4), "whole words per lane");
+  uint32_t o[WPL];
+#pragma unroll
+  for (int wi = 0; wi < WPL; ++wi) {
+    uint32_t s = 0u - quant::magic_word_sum<BITS>(CPW);
+#pragma unroll
+    for (int j = 0; j < CPW; ++j) s += mb[wi * CPW + j] << (j * BITS);
+    o[wi] = s;
+  }
+  uint32_t* dst = reinterpret_cast<uint32_t*>(words) + lr * WPL;
+  if constexpr (WPL == 1) {
+    dst[0] = o[0];
   } else {
-    reinterpret_cast<uint4*>(row)[lane] = make_uint4(w[0], w[1], w[2], w[3]);
+#pragma unroll
+    for (int wi = 0; wi < WPL; wi += 2) reinterpret_cast<uint2*>(dst)[wi / 2] = make_uint2(o[wi], o[wi + 1]);
   }
 }
 
@@ -96,37 +147,69 @@ __device__ __forceinline__ float gv_to_float(uint32_t bits16) {
 /// \brief The fused value-side compress (see the file comment).  256 threads, any grid.
 template <typename DType, int D, int BITS, int KMAX>
 __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
-  constexpr int EPL = D / 32;                         // channels per lane: 2, 4 or 8
-  constexpr int NW = EPL / 2;                         // 32-bit words per lane (one load)
-  constexpr int P = KMAX + 1 < EPL ? KMAX + 1 : EPL;  // list depth
+  constexpr int E = kGvElems;                   // channels per lane (two 16-byte loads)
+  constexpr int LPR = D / E;                    // lanes per row: 4, 8 or 16
+  constexpr int RPW = 32 / LPR;                 // rows per warp and pass: 8, 4 or 2
+  constexpr int NW = E / 2;                     // 32-bit words per lane
+  constexpr int NC = E / 8;                     // 8-channel chunks per lane (G >= 8)
+  constexpr int P = KMAX + 1 < E ? KMAX + 1 : E;  // list depth
   constexpr float MAXQ = (float)((1 << BITS) - 1);
   constexpr unsigned FULL = 0xffffffffu;
+  static_assert(D % E == 0 && LPR >= 2 && LPR <= 32 && 2 * KMAX <= D, "layout");
   const int lane = threadIdx.x & 31;
+  const int lr = lane % LPR;                    // lane within the row's group
   const int64_t rows = p.N * p.T;
   const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
-  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  const int64_t step = (((int64_t)gridDim.x * blockDim.x) >> 5) * RPW;  // rows per pass
   const int k = (int)p.k, G = (int)p.q.group;
-  const int lpg = G / EPL;              // lanes per group (G >= 8 >= EPL)
-  const int gpr = D / G;                // groups per row
+  const bool small_g = G < E;                   // G == 8: NC groups per lane
+  const int lpg = small_g ? 1 : G / E;          // lanes per group
+  const int gpr = D / G;                        // groups per row
   const bool check = p.status != nullptr;
   const uint32_t* x = static_cast<const uint32_t*>(p.x);
   DType* ovalues = static_cast<DType*>(const_cast<void*>(p.ovalues));
   uint8_t* oindices = static_cast<uint8_t*>(const_cast<void*>(p.oindices));
+  constexpr uint32_t LIM = std::is_same<DType, bf16_t>::value ? 0x477fu : 0x7bffu;  // largest |x| <= kMaxAbs
+  constexpr uint32_t HI_OK = ((0x8000u | LIM) << 16) | 0xffffu;    // keys in [LO_OK, HI_OK]:
+  constexpr uint32_t LO_OK = (0x7fffu - LIM) << 16;                 // |x| <= kMaxAbs
+  // tie bytes b = 0xff - j of the lane's channels j = lr * E + i, four per word
+  uint32_t tie[E / 4];
+#pragma unroll
+  for (int q = 0; q < E / 4; ++q) {
+    tie[q] = 0u;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) tie[q] |= (0xffu - (uint32_t)(lr * E + 4 * q + t)) << (8 * t);
+  }
+  const int gidx = small_g ? 0 : (lr * E) / G;          // G >= E: this lane's group
+  const bool gwriter = small_g || ((lr * E) & (G - 1)) == 0;  // its first lane
   int32_t status = 0;
   uint32_t nxt[NW];
-  if (warp < rows) gv_load_words<NW>(x + warp * (D / 2), lane, nxt);
-  for (int64_t r = warp; r < rows; r += nwarps) {  // warp-uniform
+  {
+    const int64_t r0 = warp * RPW + lane / LPR;
+    if (r0 < rows) gv_load_lane<NW>(x + r0 * (D / 2), lr, nxt);
+  }
+  for (int64_t rb = warp * RPW; rb < rows; rb += step) {  // warp-uniform
+    const int64_t r = rb + lane / LPR;          // this lane's row
+    const bool valid = r < rows;
     uint32_t w[NW];
 #pragma unroll
-    for (int i = 0; i < NW; ++i) w[i] = nxt[i];
-    if (r + nwarps < rows) gv_load_words<NW>(x + (r + nwarps) * (D / 2), lane, nxt);
+    for (int i = 0; i < NW; ++i) w[i] = valid ? nxt[i] : 0u;
+    if (r + step < rows) gv_load_lane<NW>(x + (r + step) * (D / 2), lr, nxt);
 
-    // ---- 1. composite keys
-    uint32_t key[EPL];
+    // ---- 1. composite keys: (order key of the 16-bit value << 16) | tie, tie = b * 0x101 with
+    // b = 0xff - j (j < 256 the channel): the strict order (value, -index), -0 < +0, NaNs at the
+    // ends.  Per word: the two order keys at once (prmt sign replication: a negative half flips
+    // all 16 bits, a positive one only the sign bit), then one prmt per element.
+    uint32_t key[E];
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const uint32_t h = (w[i / 2] >> (16 * (i & 1))) & 0xffffu;
-      key[i] = (select::orderable_key16(h) << 16) | (0xffffu - (uint32_t)(lane * EPL + i));
+    for (int q = 0; q < NW; ++q) {
+      const uint32_t ok2 = w[q] ^ (gv_prmt(w[q], 0u, 0xbb99u) | 0x80008000u);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int i = 2 * q + h, t = i & 3;
+        key[i] = gv_prmt(ok2, tie[i / 4],
+                         (4u + t) | ((4u + t) << 4) | ((2u * h) << 8) | ((2u * h + 1) << 12));
+      }
     }
 
     // ---- 2. selection
@@ -137,7 +220,7 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
       bl[d] = FULL;
     }
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
+    for (int i = 0; i < E; ++i) {
       uint32_t a = key[i], b = key[i];
 #pragma unroll
       for (int d = 0; d < P; ++d) {
@@ -148,13 +231,19 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
         bl[d] = bh;
       }
     }
+    // any |x| > kMaxAbs, Inf or NaN in this lane (in key order: outside [LO_OK, HI_OK])
+    const bool lane_bad = valid && (tl[0] > HI_OK || bl[0] < LO_OK);
     uint32_t tb[KMAX], bb[KMAX];
     uint32_t hiK = 0u, loK = FULL;
 #pragma unroll
     for (int rr = 0; rr <= KMAX; ++rr) {
       if (rr <= k) {  // warp-uniform
-        const uint32_t bt = __reduce_max_sync(FULL, tl[0]);
-        const uint32_t bm = __reduce_min_sync(FULL, bl[0]);
+        uint32_t bt = tl[0], bm = bl[0];
+#pragma unroll
+        for (int o = 1; o < LPR; o <<= 1) {  // butterfly within the row's lanes
+          bt = max(bt, __shfl_xor_sync(FULL, bt, o));
+          bm = min(bm, __shfl_xor_sync(FULL, bm, o));
+        }
         if (rr < k) {
           tb[rr < KMAX ? rr : KMAX - 1] = bt;
           bb[rr < KMAX ? rr : KMAX - 1] = bm;
@@ -172,95 +261,190 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
         }
       }
     }
-    // selected entries: lane t < k writes top entry t, lane k <= t < 2k bottom entry t - k,
-    // each at its rank by index (larger low half = smaller index)
-    if (lane < 2 * k) {
-      const bool top = lane < k;
-      const int t = top ? lane : lane - k;
-      uint32_t item = 0u;
+    // selected entries: entry t < k is top entry t, k <= t < 2k bottom entry t - k; lane lr
+    // writes entries lr, lr + LPR, ... at their rank by index (larger tie = smaller index)
 #pragma unroll
-      for (int rr = 0; rr < KMAX; ++rr)
-        if (rr == t) item = top ? tb[rr] : bb[rr];
-      int rank = 0;
+    for (int t0 = 0; t0 < 2 * KMAX; t0 += LPR) {
+      const int t = t0 + lr;
+      if (valid && t < 2 * k) {
+        const uint32_t item = gv_entry<KMAX>(tb, bb, t, k);
+        const bool top = t < k;
+        int rank = 0;
 #pragma unroll
-      for (int rr = 0; rr < KMAX; ++rr)
-        if (rr < k) rank += ((top ? tb[rr] : bb[rr]) & 0xffffu) > (item & 0xffffu) ? 1 : 0;
-      const int64_t pos = r * 2 * k + (top ? 0 : k) + rank;
-      DType v;
-      v.bits = select::key16_to_bits(item >> 16);
-      ovalues[pos] = v;
-      oindices[pos] = (uint8_t)(0xffffu - (item & 0xffffu));
+        for (int rr = 0; rr < KMAX; ++rr)
+          if (rr < k) rank += ((top ? tb[rr] : bb[rr]) & 0xffu) > (item & 0xffu) ? 1 : 0;
+        const int64_t pos = r * 2 * k + (top ? 0 : k) + rank;
+        DType v;
+        v.bits = select::key16_to_bits(item >> 16);
+        ovalues[pos] = v;
+        oindices[pos] = (uint8_t)(0xffu - (item & 0xffu));
+      }
     }
     const float hi = gv_to_float<DType>(select::key16_to_bits(hiK >> 16));
     const float lo = gv_to_float<DType>(select::key16_to_bits(loK >> 16));
-    const bool hi_nan = hi != hi, lo_nan = lo != lo;
+    // fast path (warp-uniform): every value of the warp's rows finite with |x| <= kMaxAbs and
+    // no zero clamp bound (order keys 0x7fff / 0x8000: -0 / +0); then the CPU clamp is
+    // fminf(fmaxf(x, lo), hi) (no NaN, ties only between equal nonzero values) and the codes
+    // need neither clamp nor finite check (group_quant.cuh's fast-path argument)
+    const bool zero_bound = ((hiK >> 16) - 0x7fffu) < 2u || ((loK >> 16) - 0x7fffu) < 2u;
+    const bool fast = !__any_sync(FULL, lane_bad || (valid && zero_bound));
 
     // ---- 3. clamp (+ finite check of x)
-    float v[EPL];
-    bool bad = false;
+    float v[E];
+    if (fast) {
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const float xv = gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu);
-      bad |= !(fabsf(xv) <= quant::kMaxAbs);
-      v[i] = gv_cpu_fmin(gv_cpu_fmax(xv, lo, lo_nan), hi, hi_nan);
-    }
-    if (check && bad) {  // rare: the exact flags
+      for (int i = 0; i < E; ++i)
+        v[i] = fminf(fmaxf(gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu), lo), hi);
+    } else {
+      const bool hi_nan = hi != hi, lo_nan = lo != lo;
 #pragma unroll
-      for (int i = 0; i < EPL; ++i)
-        status |= quant::value_status(gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu));
+      for (int i = 0; i < E; ++i) {
+        const float xv = gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu);
+        v[i] = gv_cpu_fmin(gv_cpu_fmax(xv, lo, lo_nan), hi, hi_nan);
+      }
+      if (check && lane_bad) {  // the exact flags
+#pragma unroll
+        for (int i = 0; i < E; ++i)
+          status |= quant::value_status(gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu));
+      }
     }
 
-    // ---- 4. group min / max (EPL <= 8 <= G: a group is G / EPL whole lanes), qparams, codes
-    float mn = INFINITY, mx = -INFINITY;
+    // ---- 4. group min / max: per 8-channel chunk, then (G >= E) over the chunks of the lane
+    // and the G / E lanes of the group; qparams, codes
+    float mn[NC], mx[NC];
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      mn = fminf(mn, v[i]);
-      mx = fmaxf(mx, v[i]);
-    }
-    for (int o = 1; o < lpg; o <<= 1) {
-      mn = fminf(mn, __shfl_xor_sync(FULL, mn, o));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
-    }
-    if (__any_sync(FULL, mn == 0.f || mx == 0.f)) {  // rare: a zero extremum takes the
-      int fz = 0;                                      // sign of the group's first zero
+    for (int c = 0; c < NC; ++c) {
+      mn[c] = INFINITY;
+      mx[c] = -INFINITY;
 #pragma unroll
-      for (int i = EPL - 1; i >= 0; --i)
-        if (v[i] == 0.f) fz = signbit(v[i]) ? 2 : 1;
-      for (int o = 1; o < lpg; o <<= 1) {  // ordered combine: the lower lanes come first
-        const int other = __shfl_xor_sync(FULL, fz, o);
-        fz = (lane & o) ? gv_first(other, fz) : gv_first(fz, other);
+      for (int i = 8 * c; i < 8 * c + 8; ++i) {
+        mn[c] = fminf(mn[c], v[i]);
+        mx[c] = fmaxf(mx[c], v[i]);
       }
-      const float z = fz == 2 ? -0.f : 0.f;
-      if (mn == 0.f) mn = z;
-      if (mx == 0.f) mx = z;
     }
-    const quant::QParams q = quant::make_qparams(mn, mx, BITS);
-    if (lane % lpg == 0) {
-      p.q.scale[r * gpr + lane / lpg] = q.s16;
-      p.q.zero[r * gpr + lane / lpg] = q.z16;
-    }
-    uint32_t code[EPL];
-    float d[EPL];
+    if (!small_g) {  // warp-uniform
 #pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      float qv = __fmul_rn(__fsub_rn(v[i], q.zero), q.inv);
-      qv = fminf(fmaxf(qv, 0.f), MAXQ);           // NaN -> 0, as quant_code
-      const float m = __fadd_rn(qv, 12582912.f);  // 1.5 * 2^23 + rint(qv) (ties to even)
-      code[i] = __float_as_uint(m) - 0x4b400000u;
-      const float cf = __fsub_rn(m, 12582912.f);  // (float)code, exact
-      // NOTE: code * scale + zero as one FMA, as GearClampQuantResidKernel.
-      const float dd = __fsub_rn(v[i], __fmaf_rn(cf, q.scale, q.zero));
-      const bool out = key[i] > hiK || key[i] < loK;
-      d[i] = (isfinite(dd) && !out) ? dd : 0.f;
-    }
-    uint32_t rw[NW];  // fp16 residual words
+      for (int c = 1; c < NC; ++c) {
+        mn[0] = fminf(mn[0], mn[c]);
+        mx[0] = fmaxf(mx[0], mx[c]);
+      }
 #pragma unroll
-    for (int i = 0; i < EPL; i += 2) {
-      const __half2 h2 = __floats2half2_rn(d[i], d[i + 1]);
-      rw[i / 2] = *reinterpret_cast<const uint32_t*>(&h2);
+      for (int o = 1; o < LPR; o <<= 1) {  // o < lpg <= LPR: stays within the row's lanes
+        if (o < lpg) {                      // warp-uniform
+          mn[0] = fminf(mn[0], __shfl_xor_sync(FULL, mn[0], o));
+          mx[0] = fmaxf(mx[0], __shfl_xor_sync(FULL, mx[0], o));
+        }
+      }
+#pragma unroll
+      for (int c = 1; c < NC; ++c) {
+        mn[c] = mn[0];
+        mx[c] = mx[0];
+      }
     }
-    quant::pack_and_store<EPL, BITS>(code, lane, p.q.codes + r * (D * BITS / 32));
-    gv_store_words<NW>(p.resid + r * D, lane, rw);
+    bool zext = false;
+#pragma unroll
+    for (int c = 0; c < NC; ++c) zext |= mn[c] == 0.f || mx[c] == 0.f;
+    if (__any_sync(FULL, valid && zext)) {  // rare: a zero extremum takes the sign of the
+      int fz[NC];                            // group's first zero
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        fz[c] = 0;
+#pragma unroll
+        for (int i = 8 * c + 7; i >= 8 * c; --i)
+          if (v[i] == 0.f) fz[c] = signbit(v[i]) ? 2 : 1;
+      }
+      if (!small_g) {
+#pragma unroll
+        for (int c = 1; c < NC; ++c) fz[0] = gv_first(fz[0], fz[c]);
+#pragma unroll
+        for (int o = 1; o < LPR; o <<= 1) {  // ordered combine: the lower lanes come first
+          if (o < lpg) {
+            const int other = __shfl_xor_sync(FULL, fz[0], o);
+            fz[0] = (lane & o) ? gv_first(other, fz[0]) : gv_first(fz[0], other);
+          }
+        }
+#pragma unroll
+        for (int c = 1; c < NC; ++c) fz[c] = fz[0];
+      }
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const float z = fz[c] == 2 ? -0.f : 0.f;
+        if (mn[c] == 0.f) mn[c] = z;
+        if (mx[c] == 0.f) mx[c] = z;
+      }
+    }
+    float qzero[NC], qinv[NC], qscale[NC];
+    if (small_g) {  // warp-uniform; G == 8: NC groups per lane
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const quant::QParams q = quant::make_qparams(mn[c], mx[c], BITS);
+        if (valid) {
+          p.q.scale[r * gpr + lr * NC + c] = q.s16;
+          p.q.zero[r * gpr + lr * NC + c] = q.z16;
+        }
+        qzero[c] = q.zero;
+        qinv[c] = q.inv;
+        qscale[c] = q.scale;
+      }
+    } else {
+      const quant::QParams q = quant::make_qparams(mn[0], mx[0], BITS);
+      if (valid && gwriter) {
+        p.q.scale[r * gpr + gidx] = q.s16;
+        p.q.zero[r * gpr + gidx] = q.z16;
+      }
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        qzero[c] = q.zero;
+        qinv[c] = q.inv;
+        qscale[c] = q.scale;
+      }
+    }
+    // codes as the bits of m = 1.5 * 2^23 + rint(q) (ties to even; packed by shift-adds, the
+    // magic sums subtracted per word), residuals (outliers zeroed below)
+    // (two copies: the fast one without the clamps of q and the finite check of the residual)
+    auto codes_resid = [&](auto fast_c) {
+      constexpr bool FAST = decltype(fast_c)::value;
+      uint32_t mb[E];
+      float d[E];
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        const int c = i / 8;
+        float qv = __fmul_rn(__fsub_rn(v[i], qzero[c]), qinv[c]);
+        if (!FAST) qv = fminf(fmaxf(qv, 0.f), MAXQ);  // NaN -> 0, as quant_code
+        const float m = __fadd_rn(qv, 12582912.f);
+        mb[i] = __float_as_uint(m);
+        const float cf = __fsub_rn(m, 12582912.f);    // (float)code, exact
+        // NOTE: code * scale + zero as one FMA, as GearClampQuantResidKernel.
+        const float dd = __fsub_rn(v[i], __fmaf_rn(cf, qscale[c], qzero[c]));
+        d[i] = (FAST || isfinite(dd)) ? dd : 0.f;
+      }
+      uint32_t rw[NW];  // fp16 residual words
+#pragma unroll
+      for (int i = 0; i < E; i += 2) {
+        const __half2 h2 = __floats2half2_rn(d[i], d[i + 1]);
+        rw[i / 2] = *reinterpret_cast<const uint32_t*>(&h2);
+      }
+      if (valid) {
+        gv_pack_store<E, BITS>(mb, p.q.codes + r * (D * BITS / 32), lr);
+        gv_store_lane<NW>(p.resid + r * D, lr, rw);
+      }
+    };
+    if (fast) {
+      codes_resid(std::true_type{});
+    } else {
+      codes_resid(std::false_type{});
+    }
+    // outliers: residual 0 (after the row's stores: __syncwarp orders the warp's stores)
+    __syncwarp();
+#pragma unroll
+    for (int t0 = 0; t0 < 2 * KMAX; t0 += LPR) {
+      const int t = t0 + lr;
+      if (valid && t < 2 * k) {
+        const uint32_t item = gv_entry<KMAX>(tb, bb, t, k);
+        p.resid[r * D + (0xffu - (item & 0xffu))] = 0;
+      }
+    }
+    __syncwarp();  // before the next pass (WAR on nothing shared; keeps the warp converged)
   }
   quant::report_status(p.status, check ? status : 0);
 }
@@ -271,13 +455,14 @@ cudaError_t GearValuesCompress(const GearParams& p, cudaStream_t stream) {
   const int64_t rows = p.N * p.T;
   if (rows == 0) return cudaSuccess;
   auto kernel = GearValuesCompressKernel<DType, D, BITS, KMAX>;
-  // one resident wave: the warps stride over the rows (and prefetch the next one)
+  constexpr int RPW = 32 / (D / kGvElems);
+  // one resident wave: the warps stride over the rows (and prefetch the next ones)
   static const int per_sm = [&] {
     int b = 0;
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, kernel, 256, 0) != cudaSuccess) b = 0;
     return b > 0 ? b : 4;
   }();
-  int64_t blocks = (rows + 7) / 8;  // 8 warps (rows) per block and pass
+  int64_t blocks = (rows + 8 * RPW - 1) / (8 * RPW);  // 8 warps x RPW rows per block and pass
   const int64_t cap = (int64_t)quant::num_sms() * per_sm;
   if (blocks > cap) blocks = cap;
   kernel<<<(unsigned)blocks, 256, 0, stream>>>(p);
