@@ -726,3 +726,175 @@ def test_cuda_gear_small_nonfinite(per_channel):
     ref = kvq.gear_compress(bad, 2, 32, per_channel, 0.0, 2, check_finite=False)
     for name, a, b in zip(("codes", "scale", "zero"), ref[:3], out[:3]):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name, equal_nan=True)
+
+
+# ============================================================================ fused value path
+# CUDA gear_compress, per-token (value) groups, T > 256, fp16 / bf16, D in {64, 128, 256},
+# 1 <= k <= 8: ONE kernel (include/kvq/gear/gear_values.cuh) selects, clamps, quantizes and
+# writes the fp16 residual.  Every stored output must equal the CPU op bit for bit; the
+# residual (not an output) is checked through the factors: A, B must equal
+# lowrank_power_iter of the residual rebuilt here (same power-iteration code, same input).
+def _k_sparsity(k, D):
+    """A sparsity with outlier_count(s, D) == k."""
+    s = (2 * k - 1) / D
+    assert outlier_count(s, D) == k
+    return s
+
+
+def _bits16(t):
+    return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _value_residual_fma(x, out, bits):
+    """fp16 residual of the long CUDA path: xc - fma(code, scale, zero) (the double product
+    and sum are exact, so one rounding to float equals the FMA), 0 at outliers / non-finite;
+    xc clamps with the CPU's fmaxf / fminf tie rule (the first operand wins)."""
+    codes, scale, zero, ov, oi = out[:5]
+    xf = x.float()
+    D = x.shape[-1]
+    mask = torch.zeros_like(xf, dtype=torch.bool)
+    mask.scatter_(-1, oi.long(), True)
+    lo = xf.masked_fill(mask, float("inf")).amin(-1, keepdim=True)
+    hi = xf.masked_fill(mask, float("-inf")).amax(-1, keepdim=True)
+    xc = torch.where(xf >= lo, xf, lo)
+    xc = torch.where(xc <= hi, xc, hi)
+    cpw = 32 // bits
+    w = codes.long() & 0xFFFFFFFF
+    q = ((w.unsqueeze(-1) >> (torch.arange(cpw) * bits)) & ((1 << bits) - 1)).flatten(-2)
+    G = D // scale.shape[-1]
+    s = scale.float().double().repeat_interleave(G, -1)
+    z = zero.float().double().repeat_interleave(G, -1)
+    deq = (q.double() * s + z).float()
+    d = xc - deq
+    return torch.where(d.isfinite() & ~mask, d, 0.0).half()
+
+
+def _check_values_fused(x, bits, G, s, rank=2, check_finite=True, nan_values=False):
+    out0 = kvq.gear_compress(x, bits, G, False, s, rank, check_finite=check_finite)
+    out1 = [t.cpu() for t in kvq.gear_compress(x.cuda(), bits, G, False, s, rank,
+                                                check_finite=check_finite)]
+    for name, a, b in zip(("codes", "scale", "zero", "values", "indices"), out0[:5], out1[:5]):
+        if name == "values" and nan_values:  # the CPU canonicalizes NaN payloads
+            torch.testing.assert_close(b, a, rtol=0, atol=0, equal_nan=True, msg=name)
+            continue
+        assert torch.equal(_bits16(b), _bits16(a)), name
+    if rank > 0:
+        R = _value_residual_fma(x, out1, bits)
+        A, B = kvq.lowrank_power_iter(R.cuda(), rank, 3, 0)
+        assert torch.equal(_bits16(out1[5]), _bits16(A.cpu())), "A (residual)"
+        assert torch.equal(_bits16(out1[6]), _bits16(B.cpu())), "B (residual)"
+    return out0, out1
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("bits,G", [(2, 64), (4, 8), (8, -1), (2, 32), (4, 16)])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_cuda_gear_values_fused_matches_cpu(dtype, D, bits, G, k):
+    G = min(G, D)
+    x = kv_like(2, 2, 300, D, seed=D + k, dtype=dtype)
+    _check_values_fused(x, bits, G, _k_sparsity(k, D))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_cuda_gear_values_fused_ties_and_constant_rows(dtype, k):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randint(-4, 5, (2, 2, 400, 128), generator=g).to(dtype) * 0.5
+    x[:, :, 7] = 1.5                                  # constant rows
+    x[:, :, 8] = 0.0
+    x[:, :, 9, ::2] = 3.0                             # two values, 64 copies each
+    x[:, :, 9, 1::2] = -2.0
+    x[:, :, 10, :5] = 7.0                             # duplicated maxima around the k-th
+    x[:, :, 11, -5:] = -7.0
+    for bits, G in ((2, 64), (4, 32), (8, 128)):
+        _check_values_fused(x, bits, G, _k_sparsity(k, 128))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_gear_values_fused_signed_zeros(dtype):
+    """-0.0 < +0.0 in the selection; zero group extrema and clamp ties keep the CPU's sign."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2, 300, 64, generator=g).to(dtype)
+    z = torch.where(torch.rand(1, 2, 300, 64, generator=g) < 0.5, -0.0, 0.0).to(dtype)
+    zr = torch.rand(1, 2, 300, 1, generator=g) < 0.5
+    x = torch.where(zr & (torch.rand(1, 2, 300, 64, generator=g) < 0.7), z, x)
+    x[0, 0, :4] = z[0, 0, :4]                          # all-zero rows of mixed signs
+    x[0, 1, 5] = x[0, 1, 5].abs()                      # zero is the group minimum
+    x[0, 1, 5, 3] = -0.0
+    x[0, 1, 5, 9] = 0.0
+    for k in (1, 3, 8):
+        for bits, G in ((2, 8), (4, 32), (2, 64)):
+            _check_values_fused(x, bits, G, _k_sparsity(k, 64))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_gear_values_fused_nonfinite(dtype):
+    x = kv_like(1, 2, 300, 128, dtype=dtype)
+    bad = x.clone()
+    bad[0, 1, 3, 5] = float("nan")
+    bad[0, 0, 100, 7] = float("-nan")
+    bad[0, 0, 200, 9] = float("inf")
+    with pytest.raises(RuntimeError, match="NaN"):
+        kvq.gear_compress(bad.cuda(), 2, 64, False, 0.02, 2)
+    _check_values_fused(bad, 2, 64, 0.02, check_finite=False, nan_values=True)
+    _check_values_fused(bad, 4, 32, _k_sparsity(5, 128), check_finite=False, nan_values=True)
+    # more NaNs than k in a row: NaN clamp bounds, NaN inliers (no residual check: the
+    # reference clamp above assumes finite bounds)
+    bad[0, 1, 50, :6] = float("nan")
+    _check_values_fused(bad, 2, 64, _k_sparsity(2, 128), rank=0, check_finite=False, nan_values=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_cuda_gear_values_fused_layout_edges(dtype, D, k):
+    """16 channels per lane, D / 16 lanes per row, several rows per warp: row counts that are
+    not a multiple of the rows per warp, the whole top / bottom k + 1 inside one lane (the
+    list depth), ties spread over lanes, and warps that mix fast rows with rows that need the
+    exact path (NaN / Inf / |x| > 65504, zero clamp bounds)."""
+    s = _k_sparsity(k, D)
+    g = torch.Generator().manual_seed(D * 10 + k)
+    for shape in ((1, 1, 301, D), (3, 1, 259, D)):
+        x = kv_like(*shape, seed=k + D, dtype=dtype)
+        _check_values_fused(x, 2, min(64, D), s)
+        _check_values_fused(x, 4, 8, s, rank=0)
+    x = torch.randn(2, 1, 320, D, generator=g).to(dtype)
+    x[:, :, 0::5, 16:16 + k + 1] = 50.0                   # top k + 1 in lane 1 (ties)
+    x[:, :, 1::5, D - 16:D - 15 + k] = -60.0              # bottom k + 1 in the last lane
+    x[:, :, 2::5, ::16] = 9.0                             # one tie per lane
+    x[:, :, 2::5, 8::16] = -9.0
+    x[:, :, 3::5, ::2] = 3.0                              # ties of equal values all over
+    x[:, :, 3::5, 1::2] = -3.0
+    for bits, G in ((2, 64), (4, 8), (8, 16), (2, D)):
+        _check_values_fused(x, bits, min(G, D), s)
+    # rows needing the exact path next to fast rows (same warp): zero bounds, big values
+    y = torch.randn(2, 1, 320, D, generator=g).to(dtype)
+    y[:, :, 5::7] = y[:, :, 5::7].abs()                   # lo = +0 or -0 below
+    y[:, :, 5::7, 3 : 3 + k + 1] = 0.0
+    y[:, :, 5::7, 20] = -0.0
+    y[:, :, 6::11] = -y[:, :, 6::11].abs()                # hi = -0
+    y[:, :, 6::11, 7 : 7 + k + 1] = -0.0
+    _check_values_fused(y, 2, min(64, D), s)
+    _check_values_fused(y, 4, 8, s)
+    if dtype == torch.bfloat16:
+        y[:, :, 9::13, 30] = 70000.0                      # |x| > 65504: out of range
+        with pytest.raises(RuntimeError):
+            kvq.gear_compress(y.cuda(), 2, min(64, D), False, s, 2)
+    y[:, :, 10::17, 33] = float("inf")
+    y[:, :, 11::19, 40] = float("nan")
+    with pytest.raises(RuntimeError, match="NaN"):
+        kvq.gear_compress(y.cuda(), 2, min(64, D), False, s, 2)
+    _check_values_fused(y, 2, min(64, D), s, rank=0, check_finite=False, nan_values=True)
+
+
+@needs_cuda
+def test_cuda_gear_values_fused_bench_shape():
+    """The benchmark's gear-2 value shape (many rows per warp)."""
+    x = kv_like(2, 4, 4096, 128, seed=3)
+    _check_values_fused(x, 2, 64, 0.02, rank=4)

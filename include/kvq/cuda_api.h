@@ -60,6 +60,13 @@ cudaError_t gear_clamp_quant_resid_cuda(const GearParams& p, DTypeId dtype, cuda
 cudaError_t gear_residual_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.resid = 0 at the outlier positions.
 cudaError_t gear_zero_outliers_cuda(const GearParams& p, int index_bytes, cudaStream_t stream);
+/// \brief Does gear_values_compress_cuda handle this long-path value compress?  (fp16 / bf16,
+/// per-token groups, D in {64, 128, 256}, 1 <= k <= 8.)
+bool gear_values_fused_ok(const GearParams& p, DTypeId dtype);
+/// \brief Value side in one launch: outlier select + clamp + quantize (p.q) + fp16 residual
+/// (0 at outliers) + finite check, the outputs of the select / clamp-quant-resid /
+/// zero-outliers chain (include/kvq/gear/gear_values.cuh).
+cudaError_t gear_values_compress_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief Whole compress of short matrices in one launch (gear_small_smem(T, D) > 0).
 cudaError_t gear_compress_small_cuda(const GearSmallParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.out = dequant(p.q) + A B^T, then outliers scattered in.
