@@ -112,16 +112,20 @@ GearTuple gear_compress_cuda(const at::Tensor& x, int64_t bits, int64_t group_si
     if (check_finite) raise_status(op, "x", c.status.item<int32_t>());
     return {c.quant.codes, c.quant.scale, c.quant.zero, c.sel.values, c.sel.indices, c.A, c.B};
   }
-  if (c.k > 0) KVQ_CUDA_CALL(op, select::outlier_select_cuda(c.sel.params, dt, c.sel.index_bytes, stream));
-  if (c.cqr) {  // clamp + quantize + residual in one pass over x
-    KVQ_CUDA_CALL(op, gear::gear_clamp_quant_resid_cuda(c.gear, dt, stream));
+  if (c.keys.ok) {  // fp16 / bf16 keys: select + clamp + quantize + residual in one launch
+    KVQ_CUDA_CALL(op, gear::gear_keys_compress_cuda(c.gear, c.keys, dt, stream));
   } else {
-    if (c.k > 0) KVQ_CUDA_CALL(op, gear::gear_clamp_cuda(c.gear, dt, stream));
-    alloc_quant_ws(c.quant, dt);
-    KVQ_CUDA_CALL(op, quant::group_quantize_cuda(c.quant.params, dt, stream));
-    KVQ_CUDA_CALL(op, gear::gear_residual_cuda(c.gear, dt, stream));
+    if (c.k > 0) KVQ_CUDA_CALL(op, select::outlier_select_cuda(c.sel.params, dt, c.sel.index_bytes, stream));
+    if (c.cqr) {  // clamp + quantize + residual in one pass over x
+      KVQ_CUDA_CALL(op, gear::gear_clamp_quant_resid_cuda(c.gear, dt, stream));
+    } else {
+      if (c.k > 0) KVQ_CUDA_CALL(op, gear::gear_clamp_cuda(c.gear, dt, stream));
+      alloc_quant_ws(c.quant, dt);
+      KVQ_CUDA_CALL(op, quant::group_quantize_cuda(c.quant.params, dt, stream));
+      KVQ_CUDA_CALL(op, gear::gear_residual_cuda(c.gear, dt, stream));
+    }
+    if (c.k > 0) KVQ_CUDA_CALL(op, gear::gear_zero_outliers_cuda(c.gear, c.sel.index_bytes, stream));
   }
-  if (c.k > 0) KVQ_CUDA_CALL(op, gear::gear_zero_outliers_cuda(c.gear, c.sel.index_bytes, stream));
   if (c.rank > 0 && c.gear.T > 0)
     KVQ_CUDA_CALL(op, linalg::power_iter_cuda(c.pi.params, DTypeId::kFloat16, stream));
   if (check_finite) raise_status(op, "x", c.status.item<int32_t>());

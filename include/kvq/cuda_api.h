@@ -37,6 +37,7 @@ cudaError_t hqmq_decode_cuda(const HqmqParams& p, DTypeId dtype, cudaStream_t st
 
 // ---- GEAR (csrc/cuda/{outlier_topk,power_svd,gear}_kernels.cu) ----
 #include "kvq/gear/gear.h"
+#include "kvq/gear/gear_keys.h"
 #include "kvq/linalg/power_svd.h"
 #include "kvq/select/outlier_topk.h"
 
@@ -60,6 +61,11 @@ cudaError_t gear_clamp_quant_resid_cuda(const GearParams& p, DTypeId dtype, cuda
 cudaError_t gear_residual_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.resid = 0 at the outlier positions.
 cudaError_t gear_zero_outliers_cuda(const GearParams& p, int index_bytes, cudaStream_t stream);
+/// \brief Key side (per-channel, fp16 / bf16) of the long-matrix compress in one launch:
+/// outliers (p.ovalues / p.oindices), codes / scale / zero (p.q), residual, status
+/// (gear_keys.h; plan = gear_keys_plan(...) with plan.ok).
+cudaError_t gear_keys_compress_cuda(const GearParams& p, const GearKeysPlan& plan, DTypeId dtype,
+                                    cudaStream_t stream);
 /// \brief Whole compress of short matrices in one launch (gear_small_smem(T, D) > 0).
 cudaError_t gear_compress_small_cuda(const GearSmallParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.out = dequant(p.q) + A B^T, then outliers scattered in.
