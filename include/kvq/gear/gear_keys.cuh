@@ -32,10 +32,11 @@ __device__ __forceinline__ uint32_t gk_half(const uint4& v, int c) {
 __device__ __forceinline__ uint32_t gk_word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
-/// Slab row of token t (16-byte slots; XOR swizzle inside aligned blocks of 8 so the
-/// 32 lanes of a warp, which own tokens tpt apart, hit different bank groups).
+/// Slab row of token t (16-byte slots).  When tpt is a multiple of 8 the 32 lanes of a warp
+/// (tokens tpt apart) would all hit the same banks: XOR the row with the owner thread inside
+/// its aligned block of 8 (one owner per block, so the map is a bijection).
 __device__ __forceinline__ int gk_slot(int t, int owner, int tpt) {
-  return (tpt & 1) ? t : (t ^ (owner & 7));
+  return (tpt & 7) ? t : (t ^ (owner & 7));
 }
 
 /// \brief Composite keys of one side as seen by the selection: top: ck = key16 << 16 |
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   const int k = (int)p.k, kt = k + 1;
   const int t0 = tid * tpt;
   const int t1 = min(t0 + tpt, T);
-  const int sw = (tpt & 1) ? 0 : (tid & 7);  // gk_slot for this thread's own tokens
+  const int sw = (tpt & 7) ? 0 : (tid & 7);  // gk_slot for this thread's own tokens
   const uint4* xg = reinterpret_cast<const uint4*>(static_cast<const DType*>(p.x) + n * p.T * p.D + s * NC);
   const int rstride = D / NC;  // uint4 per token row of x
   if (tid < 2 * NC) (&s_cnt[0][0])[tid] = 0;
