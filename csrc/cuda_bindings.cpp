@@ -112,7 +112,9 @@ GearTuple gear_compress_cuda(const at::Tensor& x, int64_t bits, int64_t group_si
     if (check_finite) raise_status(op, "x", c.status.item<int32_t>());
     return {c.quant.codes, c.quant.scale, c.quant.zero, c.sel.values, c.sel.indices, c.A, c.B};
   }
-  if (gear::gear_values_fused_ok(c.gear, dt)) {  // values, 16-bit, 1 <= k <= 8: one launch
+  if (c.keys.ok) {  // fp16 / bf16 keys: select + clamp + quantize + residual in one launch
+    KVQ_CUDA_CALL(op, gear::gear_keys_compress_cuda(c.gear, c.keys, dt, stream));
+  } else if (gear::gear_values_fused_ok(c.gear, dt)) {  // values, 16-bit, 1 <= k <= 8: one launch
     KVQ_CUDA_CALL(op, gear::gear_values_compress_cuda(c.gear, dt, stream));
   } else {
     if (c.k > 0) KVQ_CUDA_CALL(op, select::outlier_select_cuda(c.sel.params, dt, c.sel.index_bytes, stream));

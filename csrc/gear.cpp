@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "kvq/gear/gear.h"
+#include "kvq/gear/gear_keys.h"
 #include "kvq/linalg/power_svd.h"
 #include "kvq/select/outlier_topk.h"
 #include "ops.h"
@@ -185,9 +186,12 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
     const int rows = gear::gear_cqr_rows(T, D, Gr, per_channel);
     c.cqr = cuda && !small && N > 0 && N <= 65535 && rows > 0 && (!per_channel || T % rows == 0);
   }
+  // CUDA, long fp16 / bf16 key matrices: one fused kernel (gear_keys.h), no xc / keys_ws.
+  if (cuda && !small && per_channel && c.x.element_size() == 2 && select::index_bytes(T) == 2)
+    c.keys = gear::gear_keys_plan(N, T, D, group_size == -1 ? T : group_size, c.k);
   c.sel = prepare_outlier_select(c.x, c.k, per_channel, /*want_bounds=*/c.k > 0 && !small, op);
   if (check_finite) c.status = at::zeros({1}, c.x.options().dtype(at::kInt));
-  if (c.k > 0 && !small) {
+  if (c.k > 0 && !small && !c.keys.ok) {
     if (!c.cqr) c.xc = at::empty_like(c.x);
     if (cuda && select::vector_length(c.sel.params) > 256)
       c.keys_ws = at::empty({std::max<int64_t>(1, N * T * D)}, c.x.options().dtype(at::kInt));

@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "kvq/gear/gear.h"
+#include "kvq/gear/gear_keys.h"
 #include "kvq/linalg/power_svd.h"
 #include "kvq/attention/decode_attention.h"
 #include "kvq/attention/decode_attention_hqmq.h"
@@ -109,6 +110,7 @@ struct GearCompressCall {
   bool check_finite = true;
   bool small = false;  // CUDA, T <= 256: gear_compress_small_cuda (no xc / resid / bounds)
   bool cqr = false;    // CUDA long path: gear_clamp_quant_resid_cuda (no xc)
+  gear::GearKeysPlan keys;  // CUDA long path, fp16 / bf16 keys: gear_keys_compress_cuda if keys.ok
 };
 GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_t group_size,
                                        bool per_channel, double sparsity, int64_t rank,

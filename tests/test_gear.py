@@ -642,7 +642,8 @@ def _gear_residual(x, out, bits, per_channel):
     hi = vec.masked_fill(out_mask, float("-inf")).amax(-1, keepdim=True)
     if oi.numel():
         lo, hi = torch.where(lo.isinf(), 0.0, lo), torch.where(hi.isinf(), 0.0, hi)
-        vec = torch.minimum(torch.maximum(vec, lo), hi)
+        # fmax / fmin: a NaN entry is pulled to the bound, as C fmaxf / fminf in the kernels
+        vec = torch.fmin(torch.fmax(vec, lo), hi)
     deq = kvq.dequantize(codes, scale, zero, bits, per_channel, torch.float32)
     deq = deq.transpose(-1, -2) if per_channel else deq
     R = vec - deq
@@ -783,6 +784,31 @@ def _check_values_fused(x, bits, G, s, rank=2, check_finite=True, nan_values=Fal
         A, B = kvq.lowrank_power_iter(R.cuda(), rank, 3, 0)
         assert torch.equal(_bits16(out1[5]), _bits16(A.cpu())), "A (residual)"
         assert torch.equal(_bits16(out1[6]), _bits16(B.cpu())), "B (residual)"
+
+
+# ============================================================================ fused key path
+# CUDA gear_compress of long fp16 / bf16 KEY matrices (per_channel, T > 256) runs ONE fused
+# kernel (include/kvq/gear/gear_keys.cuh).  Everything it stores must equal the CPU op bit for
+# bit; its residual is checked through the factors: power iteration of the residual rebuilt
+# from the outputs gives the same A, B.
+KEY16_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _check_keys_fused(x, bits, G, s, rank=2, check_finite=True, nan=False):
+    out0 = kvq.gear_compress(x, bits, G, True, s, rank, check_finite=check_finite)
+    out1 = [t.cpu() for t in kvq.gear_compress(x.cuda(), bits, G, True, s, rank,
+                                                check_finite=check_finite)]
+    for name, a, b in zip(("codes", "scale", "zero", "values", "indices"), out0[:5], out1[:5]):
+        assert b.dtype == a.dtype and b.shape == a.shape, name
+        if name == "values":  # bit for bit, NaN payloads included
+            assert torch.equal(b.view(torch.int16), a.view(torch.int16)), name
+        else:
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    if rank > 0:
+        R = _gear_residual(x, out1, bits, True)
+        Ar, Br = [t.cpu() for t in kvq.lowrank_power_iter(R.cuda(), rank, 3, 0)]
+        torch.testing.assert_close(out1[5], Ar, rtol=2e-3, atol=2e-3, msg="A")
+        torch.testing.assert_close(out1[6], Br, rtol=2e-3, atol=2e-3, msg="B")
     return out0, out1
 
 
@@ -898,3 +924,62 @@ def test_cuda_gear_values_fused_bench_shape():
     """The benchmark's gear-2 value shape (many rows per warp)."""
     x = kv_like(2, 4, 4096, 128, seed=3)
     _check_values_fused(x, 2, 64, 0.02, rank=4)
+
+
+@pytest.mark.parametrize("dtype", KEY16_DTYPES)
+@pytest.mark.parametrize("T,D,bits,G,s", [
+    (4096, 128, 2, 64, 0.02),    # gear-2 keys (k = 41)
+    (4096, 128, 4, -1, 0.02),    # gear-4 keys, KCVT (whole channel one group)
+    (8192, 128, 2, 64, 0.02),    # k = 82, 32 tokens per thread
+    (8192, 64, 4, 32, 0.02),
+    (1000, 64, 4, 8, 0.02),      # 4 tokens per thread, 2 threads per group
+    (1001, 64, 8, -1, 0.05),     # T not a multiple of 8 / of the tokens per thread (KCVT)
+    (320, 256, 2, 32, 0.02),     # 2 tokens per thread, D = 256
+    (300, 32, 4, -1, 0.49),      # k = 74 of 300 (cap 192)
+    (4096, 64, 8, 128, 0.1),     # k = 205 (cap 448), 8-bit
+    (4096, 128, 2, 64, 0.002),   # k = 5
+    (2048, 128, 2, 128, 0.0),    # k = 0: quantize + residual only
+    (4096, 128, 2, 4096, 0.02),  # G = T given explicitly
+])
+def test_cuda_gear_keys_fused_matches_cpu(dtype, T, D, bits, G, s):
+    x = kv_like(1, 2, T, D, seed=T + D + bits, dtype=dtype)
+    _check_keys_fused(x, bits, G, s)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", KEY16_DTYPES)
+@pytest.mark.parametrize("T,G", [(4096, 64), (1536, -1)])
+def test_cuda_gear_keys_fused_ties(dtype, T, G):
+    """Few distinct values (heavy ties: the candidate buffer overflows and the whole-channel
+    search runs), signed zeros, constant channels."""
+    g = torch.Generator().manual_seed(T)
+    x = (torch.randn(2, 1, T, 64, generator=g) * 2).round()   # {-8..8}, both signs of zero
+    x[..., 3] = 1.0                                             # constant channel
+    x[..., 5] = torch.where(torch.arange(T) % 3 == 0, 2.0, -1.0)  # two values
+    t = torch.arange(T)
+    x[..., 7] = torch.where(t % 5 == 0, 3.0, torch.where(t % 7 == 0, -2.0,
+                            torch.where(t % 2 == 0, -0.0, 0.0)))  # +-0 ties, min < 0 < max
+    x = x.to(dtype)
+    assert (x == 0).any() and torch.signbit(x[x == 0]).any()
+    for s in (0.02, 0.1):
+        _check_keys_fused(x, 2, G, s)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", KEY16_DTYPES)
+def test_cuda_gear_keys_fused_nonfinite(dtype):
+    x = kv_like(1, 2, 2048, 64, dtype=dtype)
+    bad = x.clone()
+    bad[0, 1, 3, 5] = float("nan")
+    bad[0, 1, 700, 5] = -float("nan")
+    bad[0, 0, 9, 9] = float("inf")
+    bad[0, 0, 1000, 12] = -float("inf")
+    with pytest.raises(RuntimeError, match="NaN"):
+        kvq.gear_compress(bad.cuda(), 2, 64, True, 0.02, 2)
+    _check_keys_fused(bad, 2, 64, 0.02, check_finite=False)
+    _check_keys_fused(bad, 4, -1, 0.02, rank=0, check_finite=False)
+    if dtype == torch.bfloat16:  # finite but beyond fp16: out of range
+        big = x.clone()
+        big[0, 0, 5, 5] = 1e5
+        with pytest.raises(RuntimeError):
+            kvq.gear_compress(big.cuda(), 2, 64, True, 0.02, 2)

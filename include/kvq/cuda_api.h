@@ -37,6 +37,7 @@ cudaError_t hqmq_decode_cuda(const HqmqParams& p, DTypeId dtype, cudaStream_t st
 
 // ---- GEAR (csrc/cuda/{outlier_topk,power_svd,gear}_kernels.cu) ----
 #include "kvq/gear/gear.h"
+#include "kvq/gear/gear_keys.h"
 #include "kvq/linalg/power_svd.h"
 #include "kvq/select/outlier_topk.h"
 
@@ -67,6 +68,11 @@ bool gear_values_fused_ok(const GearParams& p, DTypeId dtype);
 /// (0 at outliers) + finite check, the outputs of the select / clamp-quant-resid /
 /// zero-outliers chain (include/kvq/gear/gear_values.cuh).
 cudaError_t gear_values_compress_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief Key side (per-channel, fp16 / bf16) of the long-matrix compress in one launch:
+/// outliers (p.ovalues / p.oindices), codes / scale / zero (p.q), residual, status
+/// (gear_keys.h; plan = gear_keys_plan(...) with plan.ok).
+cudaError_t gear_keys_compress_cuda(const GearParams& p, const GearKeysPlan& plan, DTypeId dtype,
+                                    cudaStream_t stream);
 /// \brief Whole compress of short matrices in one launch (gear_small_smem(T, D) > 0).
 cudaError_t gear_compress_small_cuda(const GearSmallParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.out = dequant(p.q) + A B^T, then outliers scattered in.

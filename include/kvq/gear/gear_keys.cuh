@@ -1,0 +1,425 @@
+// Fused GEAR compress of KEY caches (per-channel vectors) for long matrices: outlier
+// selection + clamp + per-channel group quantization + fp16 residual in one kernel that
+// reads x once.  Torch-free.  Plan and selection scheme: gear_keys.h.  The outputs equal
+// those of the multi-kernel path (OutlierSelect -> GearClampQuantResid -> GearZeroOutliers)
+// bit for bit: the same total order (16-bit order key, then smaller index counts as larger),
+// values as raw input bits, the clamp / make_qparams / quant_code / FMA arithmetic of
+// GearClampQuantResidKernel.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <type_traits>
+
+#include "kvq/gear/gear.h"
+#include "kvq/gear/gear_keys.h"
+#include "kvq/quant/group_quant.cuh"
+#include "kvq/select/outlier_topk.cuh"
+
+namespace kvq {
+namespace gear {
+
+constexpr unsigned kGkFull = 0xffffffffu;
+
+/// \brief Two packed 16-bit floats (raw bits) -> their two 16-bit order keys
+/// (select::orderable_key16 on each half: sign set -> ~h, else h | 0x8000).
+__device__ __forceinline__ uint32_t gk_keys2(uint32_t w) {
+  return w ^ 0x80008000u ^ (((w >> 15) & 0x00010001u) * 0x7fffu);
+}
+__device__ __forceinline__ uint32_t gk_half(const uint4& v, int c) {
+  const uint32_t w = c < 2 ? v.x : c < 4 ? v.y : c < 6 ? v.z : v.w;
+  return (c & 1) ? (w >> 16) : (w & 0xffffu);
+}
+__device__ __forceinline__ uint32_t gk_word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+/// Slab row of token t (16-byte slots).  When tpt is a multiple of 8 the 32 lanes of a warp
+/// (tokens tpt apart) would all hit the same banks: XOR the row with the owner thread inside
+/// its aligned block of 8 (one owner per block, so the map is a bijection).
+__device__ __forceinline__ int gk_slot(int t, int owner, int tpt) {
+  return (tpt & 7) ? t : (t ^ (owner & 7));
+}
+
+/// \brief Composite keys of one side as seen by the selection: top: ck = key16 << 16 |
+/// (0xffff - t); bottom: ~ck (so "largest" means "smallest" for the bottom side).
+__device__ __forceinline__ uint32_t gk_idx(uint32_t kk, int side) {
+  return side == 0 ? 0xffffu - (kk & 0xffffu) : (kk & 0xffffu);
+}
+__device__ __forceinline__ uint32_t gk_val_bits(uint32_t kk, int side) {
+  return select::key16_to_bits(side == 0 ? (kk >> 16) : ((~kk) >> 16));
+}
+
+/// \brief kth-largest (kth >= 1, kth <= n) of n 32-bit keys key_at(0..n) by a bitwise
+/// search (32 warp-wide counting passes).  Warp-uniform arguments; result in every lane.
+template <class F>
+__device__ __forceinline__ uint32_t gk_kth_largest(const F& key_at, int n, int kth, int lane) {
+  uint32_t ans = 0;
+  for (int b = 31; b >= 0; --b) {
+    const uint32_t cand = ans | (1u << b);
+    int cnt = 0;
+    for (int i = lane; i < n; i += 32) cnt += key_at(i) >= cand ? 1 : 0;
+    cnt = (int)__reduce_add_sync(kGkFull, (unsigned)cnt);
+    if (cnt >= kth) ans = cand;
+  }
+  return ans;
+}
+/// \brief Smallest key > K among key_at(0..n) (0xffffffff when none).
+template <class F>
+__device__ __forceinline__ uint32_t gk_min_above(const F& key_at, int n, uint32_t K, int lane) {
+  uint32_t m = 0xffffffffu;
+  for (int i = lane; i < n; i += 32) {
+    const uint32_t kk = key_at(i);
+    if (kk > K && kk < m) m = kk;
+  }
+  return __reduce_min_sync(kGkFull, m);
+}
+
+/// \brief One CTA per (slab of 8 channels, matrix): grid (D / 8, N), 256 threads.
+/// Writes outlier values / indices (p.ovalues / p.oindices, int16), codes / scale / zero
+/// (p.q), the fp16 residual p.resid (0 at outliers and where non-finite) and p.status.
+template <typename DType, int BITS>
+__global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams p, GearKeysPlan pl) {
+  constexpr int NT = kGearKeysThreads, NC = kGearKeysChannels;
+  static_assert(sizeof(DType) == 2, "16-bit dtypes only");
+  extern __shared__ uint4 gk_smem[];
+  uint4* slab = gk_smem;                                                  // [slots]
+  uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots);        // [2][NC][NT]
+  uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots);         // [2][NC][cap] (aliases exch)
+  __shared__ int s_cnt[2][NC];
+  __shared__ uint32_t s_tau[2][NC];   // candidate thresholds on the 16-bit keys
+  __shared__ uint32_t s_thr[2][NC];   // outlier iff ck >= s_thr[0][c] or ck <= s_thr[1][c]
+  __shared__ float s_lo[NC], s_hi[NC];
+  __shared__ float s_red[NT / 32][NC][2];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int s = blockIdx.x;
+  const int64_t n = blockIdx.y;
+  const int T = (int)p.T, D = (int)p.D, tpt = pl.tpt, cap = pl.cap;
+  const int k = (int)p.k, kt = k + 1;
+  const int t0 = tid * tpt;
+  const int t1 = min(t0 + tpt, T);
+  const int sw = (tpt & 7) ? 0 : (tid & 7);  // gk_slot for this thread's own tokens
+  const uint4* xg = reinterpret_cast<const uint4*>(static_cast<const DType*>(p.x) + n * p.T * p.D + s * NC);
+  const int rstride = D / NC;  // uint4 per token row of x
+  if (tid < 2 * NC) (&s_cnt[0][0])[tid] = 0;
+
+  // ---- 1. load the slab once; per-thread max / min order keys per channel; finite check
+  uint32_t kmax[4] = {0u, 0u, 0u, 0u}, kmin[4] = {~0u, ~0u, ~0u, ~0u}, amax = 0u;
+  for (int tb = t0; tb < t1; tb += 4) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (tb + u < t1) v[u] = __ldg(xg + (int64_t)(tb + u) * rstride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (tb + u < t1) {
+        slab[(tb + u) ^ sw] = v[u];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t w = gk_word(v[u], i);
+          amax = __vmaxu2(amax, w & 0x7fff7fffu);
+          const uint32_t k2 = gk_keys2(w);
+          kmax[i] = __vmaxu2(kmax[i], k2);
+          kmin[i] = __vminu2(kmin[i], k2);
+        }
+      }
+    }
+  }
+  if (p.status) {
+    // |x| <= 65504 <=> abs bits <= 0x7bff (fp16) / 0x477f (bf16); exact flags only if not
+    constexpr uint32_t kOk = std::is_same<DType, half_t>::value ? 0x7bffu : 0x477fu;
+    int32_t status = 0;
+    if ((amax & 0xffffu) > kOk || (amax >> 16) > kOk) {
+      for (int t = t0; t < t1; ++t) {
+        const uint4 v = slab[t ^ sw];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          DType h;
+          h.bits = (uint16_t)gk_half(v, c);
+          status |= quant::value_status(to_float(h));
+        }
+      }
+    }
+    status = (int32_t)__reduce_or_sync(kGkFull, (unsigned)status);
+    if (lane == 0 && status) atomicOr(p.status, status);
+  }
+
+  DType* ovalues = static_cast<DType*>(const_cast<void*>(p.ovalues));
+  int16_t* oindices = static_cast<int16_t*>(const_cast<void*>(p.oindices));
+  if (k > 0) {
+    // ---- 2. thread maxima / minima -> shared; tau per channel (warp c)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int i = c >> 1, sh = (c & 1) * 16;
+      exch[(0 * NC + c) * NT + tid] = (uint16_t)(kmax[i] >> sh);
+      exch[(1 * NC + c) * NT + tid] = (uint16_t)(kmin[i] >> sh);
+    }
+    __syncthreads();
+    {
+      const int c = warp;
+      const uint16_t* em = exch + (0 * NC + c) * NT;
+      const uint16_t* en = exch + (1 * NC + c) * NT;
+      // at least kt thread maxima are >= tau_top, hence at least kt entries (bottom alike)
+      const uint32_t tt = gk_kth_largest([&](int i) { return (uint32_t)em[i]; }, NT, kt, lane);
+      const uint32_t tb = 0xffffu - gk_kth_largest([&](int i) { return 0xffffu - (uint32_t)en[i]; }, NT, kt, lane);
+      __syncwarp();
+      if (lane == 0) {
+        s_tau[0][c] = tt;
+        s_tau[1][c] = tb;
+      }
+    }
+    __syncthreads();  // exch is dead from here on (buf aliases it)
+    // ---- 3. candidates {key >= tau_top}, {key <= tau_bot} -> buf (unordered)
+    {
+      uint32_t tau_t[4], tau_b[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        tau_t[i] = s_tau[0][2 * i] | (s_tau[0][2 * i + 1] << 16);
+        tau_b[i] = s_tau[1][2 * i] | (s_tau[1][2 * i + 1] << 16);
+      }
+      for (int t = t0; t < t1; ++t) {
+        const uint4 v = slab[t ^ sw];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint32_t k2 = gk_keys2(gk_word(v, i));
+          const uint32_t mt = __vcmpgeu2(k2, tau_t[i]), mb = __vcmpleu2(k2, tau_b[i]);
+          if (mt | mb) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int c = 2 * i + h;
+              const uint32_t key = (k2 >> (16 * h)) & 0xffffu;
+              const uint32_t ck = (key << 16) | (0xffffu - (uint32_t)t);
+              if ((mt >> (16 * h)) & 1u) {
+                const int pos = atomicAdd(&s_cnt[0][c], 1);
+                if (pos < cap) buf[(0 * NC + c) * cap + pos] = ck;
+              }
+              if ((mb >> (16 * h)) & 1u) {
+                const int pos = atomicAdd(&s_cnt[1][c], 1);
+                if (pos < cap) buf[(1 * NC + c) * cap + pos] = ~ck;
+              }
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();
+    // ---- 4. exact selection per (channel, side): warp c
+    {
+      const int c = warp;
+      const int64_t vbase = (n * p.D + s * NC + c) * 2 * (int64_t)k;
+      const unsigned below = (1u << lane) - 1u;
+      for (int side = 0; side < 2; ++side) {
+        const int cn = s_cnt[side][c];
+        uint32_t Kkt, Kk;
+        if (cn <= cap) {
+          const uint32_t* b = buf + (side * NC + c) * cap;
+          auto at = [&](int i) { return b[i]; };
+          Kkt = gk_kth_largest(at, cn, kt, lane);
+          Kk = gk_min_above(at, cn, Kkt, lane);
+          // the k entries >= Kk, each at its rank by index among them
+          for (int i = lane; i < cn; i += 32) {
+            const uint32_t kk = b[i];
+            if (kk >= Kk) {
+              const uint32_t idx = gk_idx(kk, side);
+              int pos = 0;
+              for (int j = 0; j < cn; ++j) {
+                const uint32_t kj = b[j];
+                pos += (kj >= Kk && gk_idx(kj, side) < idx) ? 1 : 0;
+              }
+              ovalues[vbase + side * k + pos].bits = (uint16_t)gk_val_bits(kk, side);
+              oindices[vbase + side * k + pos] = (int16_t)idx;
+            }
+          }
+        } else {
+          // NOTE: many ties at tau overflowed the buffer: the same search over the channel.
+          auto at = [&](int t) {
+            const uint4 v = slab[gk_slot(t, t / tpt, tpt)];
+            const uint32_t ck = (select::orderable_key16(gk_half(v, c)) << 16) | (0xffffu - (uint32_t)t);
+            return side == 0 ? ck : ~ck;
+          };
+          Kkt = gk_kth_largest(at, T, kt, lane);
+          Kk = gk_min_above(at, T, Kkt, lane);
+          int base = 0;
+          for (int tb = 0; tb < T; tb += 32) {
+            const int t = tb + lane;
+            const bool sel = t < T && at(t) >= Kk;
+            const unsigned m = __ballot_sync(kGkFull, sel);
+            if (sel) {
+              const int pos = base + __popc(m & below);
+              const uint32_t kk = at(t);
+              ovalues[vbase + side * k + pos].bits = (uint16_t)gk_val_bits(kk, side);
+              oindices[vbase + side * k + pos] = (int16_t)t;
+            }
+            base += __popc(m);
+          }
+        }
+        if (lane == 0) {
+          DType bv;
+          bv.bits = (uint16_t)gk_val_bits(Kkt, side);
+          if (side == 0) {
+            s_hi[c] = to_float(bv);
+            s_thr[0][c] = Kk;
+          } else {
+            s_lo[c] = to_float(bv);
+            s_thr[1][c] = ~Kk;
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // ---- 5. clamp + per-channel group quantization + residual
+  float lo[NC], hi[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    lo[c] = k > 0 ? s_lo[c] : 0.f;
+    hi[c] = k > 0 ? s_hi[c] : 0.f;
+  }
+  auto xc_of = [&](uint32_t h, int c) {
+    DType d;
+    d.bits = (uint16_t)h;
+    float v = to_float(d);
+    if (k > 0) v = to_float(from_float<DType>(fminf(fmaxf(v, lo[c]), hi[c])));
+    return v;
+  };
+  float mn[NC], mx[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    mn[c] = INFINITY;
+    mx[c] = -INFINITY;
+  }
+  for (int t = t0; t < t1; ++t) {
+    const uint4 v = slab[t ^ sw];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const float xv = xc_of(gk_half(v, c), c);
+      mn[c] = fminf(mn[c], xv);
+      mx[c] = fmaxf(mx[c], xv);
+    }
+  }
+  const int lanes = pl.lanes;
+  if (lanes > 0) {
+    for (int o = 1; o < lanes; o <<= 1) {
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        mn[c] = fminf(mn[c], __shfl_xor_sync(kGkFull, mn[c], o));
+        mx[c] = fmaxf(mx[c], __shfl_xor_sync(kGkFull, mx[c], o));
+      }
+    }
+  } else {  // KCVT: the whole channel is one group
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        mn[c] = fminf(mn[c], __shfl_xor_sync(kGkFull, mn[c], o));
+        mx[c] = fmaxf(mx[c], __shfl_xor_sync(kGkFull, mx[c], o));
+      }
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        s_red[warp][c][0] = mn[c];
+        s_red[warp][c][1] = mx[c];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      float a = s_red[0][c][0], b = s_red[0][c][1];
+      for (int w = 1; w < NT / 32; ++w) {
+        a = fminf(a, s_red[w][c][0]);
+        b = fmaxf(b, s_red[w][c][1]);
+      }
+      mn[c] = a;
+      mx[c] = b;
+    }
+  }
+  if (t0 >= T) return;  // no tokens (after the last block-wide barrier)
+  float qs[NC], qz[NC], qi[NC];
+  {
+    uint16_t s16[NC], z16[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const quant::QParams q = quant::make_qparams(mn[c], mx[c], BITS);
+      qs[c] = q.scale;
+      qz[c] = q.zero;
+      qi[c] = q.inv;
+      s16[c] = q.s16;
+      z16[c] = q.z16;
+    }
+    const int64_t G = p.q.group;
+    const bool writer = lanes > 0 ? (tid % lanes) == 0 : tid == 0;
+    if (writer) {
+      const int64_t si = (n * (p.T / G) + t0 / G) * p.D + s * NC;
+      uint4 sv, zv;
+      sv.x = s16[0] | ((uint32_t)s16[1] << 16);
+      sv.y = s16[2] | ((uint32_t)s16[3] << 16);
+      sv.z = s16[4] | ((uint32_t)s16[5] << 16);
+      sv.w = s16[6] | ((uint32_t)s16[7] << 16);
+      zv.x = z16[0] | ((uint32_t)z16[1] << 16);
+      zv.y = z16[2] | ((uint32_t)z16[3] << 16);
+      zv.z = z16[4] | ((uint32_t)z16[5] << 16);
+      zv.w = z16[6] | ((uint32_t)z16[7] << 16);
+      *reinterpret_cast<uint4*>(p.q.scale + si) = sv;
+      *reinterpret_cast<uint4*>(p.q.zero + si) = zv;
+    }
+  }
+  uint32_t thr_t[NC], thr_b[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    thr_t[c] = k > 0 ? s_thr[0][c] : 0u;
+    thr_b[c] = k > 0 ? s_thr[1][c] : 0u;
+  }
+  constexpr float maxq = (float)((1 << BITS) - 1);
+  uint8_t* codes = reinterpret_cast<uint8_t*>(p.q.codes) + (n * p.T) * (p.D * BITS / 8) + s * BITS;
+  uint16_t* resid = p.resid + (n * p.T) * p.D + s * NC;
+  for (int t = t0; t < t1; ++t) {
+    const uint4 v = slab[t ^ sw];
+    uint64_t word = 0;
+    uint32_t r[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const uint32_t h = gk_half(v, c);
+      const float xv = xc_of(h, c);
+      const uint32_t code = quant::quant_code(xv, qz[c], qi[c], maxq);
+      word |= (uint64_t)code << (c * BITS);
+      // NOTE: code * scale + zero as one FMA, as GearClampQuantResidKernel.
+      const float d = xv - __fmaf_rn((float)code, qs[c], qz[c]);
+      bool zero = !isfinite(d);
+      if (k > 0) {
+        const uint32_t ck = (select::orderable_key16(h) << 16) | (0xffffu - (uint32_t)t);
+        zero = zero || ck >= thr_t[c] || ck <= thr_b[c];
+      }
+      r[c] = __half_as_ushort(__float2half_rn(zero ? 0.f : d));
+    }
+    uint4 o;
+    o.x = r[0] | (r[1] << 16);
+    o.y = r[2] | (r[3] << 16);
+    o.z = r[4] | (r[5] << 16);
+    o.w = r[6] | (r[7] << 16);
+    *reinterpret_cast<uint4*>(resid + (int64_t)t * p.D) = o;
+    uint8_t* cw = codes + (int64_t)t * (p.D * BITS / 8);
+    if constexpr (BITS == 2) {
+      *reinterpret_cast<uint16_t*>(cw) = (uint16_t)word;
+    } else if constexpr (BITS == 4) {
+      *reinterpret_cast<uint32_t*>(cw) = (uint32_t)word;
+    } else {
+      *reinterpret_cast<uint2*>(cw) = make_uint2((uint32_t)word, (uint32_t)(word >> 32));
+    }
+  }
+}
+
+/// \brief Launch GearKeysKernel (pl = gear_keys_plan(...) with pl.ok).
+template <typename DType, int BITS>
+cudaError_t GearKeysCompress(const GearParams& p, const GearKeysPlan& pl, cudaStream_t stream) {
+  if (!pl.ok) return cudaErrorInvalidValue;
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      GearKeysKernel<DType, BITS>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid((unsigned)(p.D / kGearKeysChannels), (unsigned)p.N);
+  GearKeysKernel<DType, BITS><<<grid, kGearKeysThreads, pl.smem, stream>>>(p, pl);
+  return cudaGetLastError();
+}
+
+}  // namespace gear
+}  // namespace kvq
