@@ -16,8 +16,8 @@ grep -E "kvquant-ext:|CMake Error|Successfully installed" "$OUT/build.log"
 ts "CUDA tests"
 # one process per test file: a crash loses at most the rest of its file
 sel=${K:+($K) and }"not bad_input"
-for f in tests/test_*.py; do
-  echo "--- $f"; timeout 150 python3 -m pytest -q "$f" -k "$sel" -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.log" | tail -3
+for f in ${TEST_FILES:-tests/test_*.py}; do
+  echo "--- $f"; timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q "$f" -k "$sel" -p no:cacheprovider 2>&1 | tee -a "$OUT/tests.log" | tail -3
 done
 ts "bad-input tests (own process)"
 python3 -m pytest -q tests -k "bad_input" -p no:cacheprovider 2>&1 | tee "$OUT/tests_bad_input.log" | tail -8
@@ -31,7 +31,7 @@ for b in "$@"; do
 done
 if [ -n "${NCU:-}" ]; then ts "ncu"; bash bench/ncu_decode.sh > "$OUT/ncu.log" 2>&1; grep -E "Duration|Throughput|Registers|Achieved Occupancy|Theoretical Occupancy|Issued Ipc|Warp Cycles Per Issued|Block Limit|Waves|One or More|No Eligible|Stall" "$OUT/ncu.log" | head -40; fi
 if [ -n "${SANITIZE:-}" ]; then
-  for tool in memcheck racecheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
     ts "compute-sanitizer $tool: $SANITIZE"
     compute-sanitizer --tool $tool --print-limit 20 python3 -m pytest -q -p no:cacheprovider $SANITIZE 2>&1 | tail -6
   done

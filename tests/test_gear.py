@@ -926,6 +926,7 @@ def test_cuda_gear_values_fused_bench_shape():
     _check_values_fused(x, 2, 64, 0.02, rank=4)
 
 
+@needs_cuda
 @pytest.mark.parametrize("dtype", KEY16_DTYPES)
 @pytest.mark.parametrize("T,D,bits,G,s", [
     (4096, 128, 2, 64, 0.02),    # gear-2 keys (k = 41)

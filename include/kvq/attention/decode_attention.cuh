@@ -1017,7 +1017,7 @@ __device__ __forceinline__ void load_token(const QuantKV& s, int64_t b, int64_t 
 /// warp's running (m, l, acc) from `slot` over tokens [t_begin, t_end), one token per step, and
 /// writes it back.  `load(t, kx, vx)` fills this lane's D / 32 key and value elements (lane
 /// owns elements [lane * D / 32, (lane + 1) * D / 32)); `s_q` is q as floats [g][D].
-template <int D, int MAXG, typename Load>
+template <int D, int MAXG, bool AHEAD = true, typename Load>
 __device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t mask_sb, float scale, int64_t b,
                                                   int g, int64_t t_begin, int64_t t_end, float* slot,
                                                   const float* s_q, Load&& load) {
@@ -1034,14 +1034,16 @@ __device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t m
   }
   __syncwarp();
   const float sl = scale * kLog2e;
-  // one token ahead: token t + 1's loads are in flight while token t is computed (the loop is
-  // latency-bound; a masked token is loaded but not used)
+  // AHEAD: token t + 1's loads are in flight while token t is computed (the loop is
+  // latency-bound; a masked token is loaded but not used).  Off where the extra registers
+  // make the kernel spill (GEAR)
   float kx[EPL], vx[EPL];
-  if (t_begin < t_end) load(t_begin, kx, vx);
+  if (AHEAD && t_begin < t_end) load(t_begin, kx, vx);
   for (int64_t t = t_begin; t < t_end; ++t) {
     float kn[EPL], vn[EPL];
-    const bool more = t + 1 < t_end;
+    const bool more = AHEAD && t + 1 < t_end;
     if (more) load(t + 1, kn, vn);
+    if (!AHEAD) load(t, kx, vx);
     const bool skip = mask != nullptr && mask[b * mask_sb + t] == 0;
 #pragma unroll
     for (int j = 0; j < MAXG; ++j) {
@@ -1076,11 +1078,11 @@ __device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t m
   __syncwarp();
 }
 
-template <typename DType, int D, int MAXG>
+template <typename DType, int D, int MAXG, bool AHEAD = true>
 __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
                              int64_t t_end, float* slot, const float* s_q) {
   const int lane = threadIdx.x % 32;
-  warp_generic_loop<D, MAXG>(p.mask, p.mask_sb, p.scale, b, g, t_begin, t_end, slot, s_q,
+  warp_generic_loop<D, MAXG, AHEAD>(p.mask, p.mask_sb, p.scale, b, g, t_begin, t_end, slot, s_q,
                              [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
                                load_token<DType, D>(p.k, b, h, t, lane, kx);
                                load_token<DType, D>(p.v, b, h, t, lane, vx);
@@ -1220,7 +1222,7 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
       const int64_t a = plan.t_main + k * plan.tail_chunk;
       const int64_t e = a + plan.tail_chunk < p.T ? a + plan.tail_chunk : p.T;
       // the mma instantiations only take g <= 8
-      warp_generic<DType, D, MMA ? 8 : kMaxGroup>(p, b, h, g, a, e, slot, s_q);
+      warp_generic<DType, D, MMA ? 8 : kMaxGroup, !GEAR>(p, b, h, g, a, e, slot, s_q);
     }
   }
   __syncthreads();

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One device call: build, the CUDA tests of the given files, the benches, the sanitizer on
+# the new kernels.  Logs to $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export OUT TEST_TIMEOUT=${TEST_TIMEOUT:-280}
+export TEST_FILES=${TEST_FILES:-$(ls tests/test_*.py | grep -v test_hqmq.py | tr '\n' ' ')}
+export SANITIZE_TOOLS=${SANITIZE_TOOLS:-memcheck}
+export SANITIZE=${SANITIZE-"tests/test_gear.py::test_cuda_gear_values_fused_bench_shape tests/test_group_quant.py::test_cuda_kcvt_cluster_chunk_edges"}
+bash bench/gpu_run.sh "" \
+  "profile_gear.py" "bench_gear.py" "bench_group_quant.py" \
+  "bench_decode_attention.py --batch 1 8 --len 4096 32768 --out $OUT/decode_table.md" \
+  "bench_group_quant" "bench_decode_attention --batch 1 8 --len 4096 32768"
