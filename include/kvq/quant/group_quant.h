@@ -57,6 +57,11 @@ struct QParams {
 
 KVQ_HOST_DEVICE QParams make_qparams(float mn, float mx, int bits) {
   QParams p;
+  // -0 -> +0: which signed zero a min/max reduction returns depends on the order of its
+  // operands (fminf(-0, +0) may return either), so a group whose minimum is zero must not
+  // carry that sign into the stored zero point (same value either way; bit-identical CPU and
+  // CUDA outputs whatever order each reduces in)
+  mn = mn + 0.f;
   p.z16 = float_to_half_bits_rd(mn);
   p.zero = half_bits_to_float(p.z16);
   // NOTE: multiply by the fp32 constant 1/(2^bits - 1) rather than divide: identical on host
