@@ -762,8 +762,9 @@ __global__ void __launch_bounds__(256) GroupQuantizeChunkKernel(GroupQuantParams
 // once: a thread-block cluster of kKcvtCluster CTAs per group (sm_90 distributed shared
 // memory).  CTA r of the cluster owns tokens [r * tc, (r + 1) * tc) of the group and keeps them
 // in shared memory (tc * D * sizeof(DType) bytes):
-//   1. load the chunk (streaming 16-byte loads, U in flight per thread) into shared memory,
-//      raw min/max per channel on the way (thread = token slice s x 16-byte channel segment k,
+//   1. load the chunk into shared memory with kKcvtSubChunks bulk copies (TMA engine, mbarrier
+//      completion; the chunk is contiguous in global memory), raw min/max per channel of each
+//      part as soon as it lands (thread = token slice s x 16-byte channel segment k,
 //      the layout and reduction order of GroupMinMaxPartialKernel), reduced over the slices
 //      into this CTA's partial s_part[2][D];
 //   2. cluster barrier; every CTA reduces the cluster's partials in rank order (chunk order,
@@ -778,6 +779,7 @@ __global__ void __launch_bounds__(256) GroupQuantizeChunkKernel(GroupQuantParams
 // ---------------------------------------------------------------------------
 constexpr int kKcvtCluster = 8;                       // CTAs per group (portable cluster size)
 constexpr int kKcvtClusterSmem = 200 * 1024;          // max dynamic shared memory per CTA (chunk)
+constexpr int kKcvtSubChunks = 4;                     // bulk copies (and barriers) per chunk
 
 __device__ __forceinline__ void cluster_arrive_release() {
   asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
@@ -801,44 +803,82 @@ __device__ __forceinline__ float ld_dsmem_f32(const float* local, uint32_t rank)
   return v;
 }
 
+// mbarrier + bulk-copy (TMA engine) helpers: one thread posts a copy of `bytes` contiguous
+// global bytes into this CTA's shared memory; every thread waits on the barrier's phase 0.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait_phase0(uint64_t* bar) {
+  asm volatile(
+      "{\n .reg .pred p;\n KVQ_MBAR_WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n"
+      " @!p bra KVQ_MBAR_WAIT_%=;\n}\n" ::"r"(smem_u32(bar))
+      : "memory");
+}
+
 template <typename DType, int D, int BITS>
 __global__ void __cluster_dims__(kKcvtCluster, 1, 1) __launch_bounds__(256, 1)
     GroupQuantizeKcvtClusterKernel(GroupQuantParams p, int64_t tc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE, S = 256 / CPL, U = 8;
+  constexpr int VE = 16 / (int)sizeof(DType), CPL = D / VE, S = 256 / CPL, NSUB = kKcvtSubChunks;
   constexpr int W = D * BITS / 32;
-  extern __shared__ __align__(16) uint4 s_tile[];  // [tc][CPL]
+  extern __shared__ __align__(128) uint4 s_tile[];  // [tc][CPL]: the chunk, as in global memory
   __shared__ uint4 s_mn[256], s_mx[256];
+  __shared__ __align__(8) uint64_t s_bar[NSUB];
   __shared__ __align__(16) float s_part[2 * D];  // this CTA's (min, max) per channel
   __shared__ __align__(16) float s_qp[2 * D];    // (zero, inv) per channel
   const int k = threadIdx.x % CPL, s = threadIdx.x / CPL;
   const uint32_t rank = cluster_ctarank();
   const int64_t grp = blockIdx.x / kKcvtCluster, G = p.group;
   const int64_t t0 = (int64_t)rank * tc, t1 = t0 + tc < G ? t0 + tc : G;
-  const uint4* src = reinterpret_cast<const uint4*>(p.x) + (grp * G) * CPL + k;
   const bool check = p.status != nullptr;
   int32_t status = 0, dummy = 0;
+  // 1. the chunk -> shared memory by NSUB bulk copies (all bytes in flight at once, no
+  // registers), min/max of each sub-chunk as soon as it has landed
+  const int64_t rows = t1 > t0 ? t1 - t0 : 0, sub = (rows + NSUB - 1) / NSUB;
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int j = 0; j < NSUB; ++j) mbar_init(&s_bar[j], 1);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint4* src = reinterpret_cast<const uint4*>(p.x) + (grp * G + t0) * CPL;
+#pragma unroll
+    for (int j = 0; j < NSUB; ++j) {
+      const int64_t a = j * sub, e = a + sub < rows ? a + sub : rows;
+      if (e > a) bulk_copy_g2s(s_tile + a * CPL, src + a * CPL, (uint32_t)((e - a) * CPL * 16), &s_bar[j]);
+    }
+  }
   RawMinMax<DType> mm;
   mm.init();
-  auto take = [&](const uint4& r, int64_t t) {
-    mm.update(r);
-    if (check) {
-      const DType* e = reinterpret_cast<const DType*>(&r);
+#pragma unroll 1
+  for (int j = 0; j < NSUB; ++j) {
+    const int64_t a = j * sub, e = a + sub < rows ? a + sub : rows;
+    if (e <= a) break;
+    mbar_wait_phase0(&s_bar[j]);
+    for (int64_t t = a + s; t < e; t += S) {  // rows in increasing order per thread, as before
+      const uint4 r = s_tile[t * CPL + k];
+      mm.update(r);
+      if (check) {
+        const DType* el = reinterpret_cast<const DType*>(&r);
 #pragma unroll
-      for (int q = 0; q < VE; ++q) status |= value_status(to_float(e[q]));
+        for (int q = 0; q < VE; ++q) status |= value_status(to_float(el[q]));
+      }
     }
-    s_tile[(t - t0) * CPL + k] = r;
-  };
-  // 1. chunk -> shared memory, min/max on the way
-  int64_t t = t0 + s;
-  for (; t + (U - 1) * S < t1; t += U * S) {
-    uint4 r[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) r[u] = __ldcs(src + (t + u * S) * CPL);
-#pragma unroll
-    for (int u = 0; u < U; ++u) take(r[u], t + u * S);
   }
-  for (; t < t1; t += S) take(__ldcs(src + t * CPL), t);
   s_mn[threadIdx.x] = mm.mn;
   s_mx[threadIdx.x] = mm.mx;
   __syncthreads();
@@ -880,7 +920,7 @@ __global__ void __cluster_dims__(kKcvtCluster, 1, 1) __launch_bounds__(256, 1)
   float z[VE], inv[VE];
   load_qp<VE>(s_qp, s_qp + D, k, z, inv);
   int32_t* codes = p.codes + grp * G * W;
-  for (t = t0 + s; t < t1; t += S)
+  for (int64_t t = t0 + s; t < t1; t += S)
     quantize_pack_store<DType, BITS>(s_tile[(t - t0) * CPL + k], z, inv, codes + t * W, k, false, dummy);
   if (check) report_status(p.status, status);
   cluster_wait_acquire();  // keep s_part alive until every CTA of the cluster has read it
