@@ -956,18 +956,47 @@ __global__ void __maxnreg__(224) PowerGramIterateKernel(PowerIterParams p, int64
   const int64_t n = blockIdx.x, N = p.N;
   const int r = p.rank, tid = threadIdx.x;
   const float* part = p.ws + 2 * N * D * RB + n * S * PACK;
-  for (int e = tid; e < PACK; e += kPowThreads) {
-    float acc = 0.f;
-    for (int64_t sp = 0; sp < S; ++sp) acc += part[sp * PACK + e];  // fixed order
-    const int b = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
-    int i = 0, rem = b;
-    while (rem >= NB - i) {
-      rem -= NB - i;
-      ++i;
+  {  // sum the partials, fixed order over sp (deterministic); all VPT float4 loads of a
+     // partial in flight (the scalar loop waited one L2 round trip per element)
+    constexpr int P4 = PACK / 4, VPT = (P4 + kPowThreads - 1) / kPowThreads;
+    const float4* part4 = reinterpret_cast<const float4*>(part);  // 16-byte aligned (PACK % 4 == 0)
+    float4 acc[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t sp = 0; sp < S; ++sp) {
+      float4 v[VPT];
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int e4 = tid + i * kPowThreads;
+        v[i] = e4 < P4 ? part4[sp * P4 + e4] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        acc[i].x += v[i].x;
+        acc[i].y += v[i].y;
+        acc[i].z += v[i].z;
+        acc[i].w += v[i].w;
+      }
     }
-    const int row = i * 16 + rr, col = (i + rem) * 16 + cc;
-    gram_C[row * LD + col] = acc;
-    gram_C[col * LD + row] = acc;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int e4 = tid + i * kPowThreads;
+      if (e4 < P4) {
+        const int e = e4 * 4, b = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
+        int bi = 0, rem = b;
+        while (rem >= NB - bi) {
+          rem -= NB - bi;
+          ++bi;
+        }
+        const int row = bi * 16 + rr, col = (bi + rem) * 16 + cc;
+        const float vals[4] = {acc[i].x, acc[i].y, acc[i].z, acc[i].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          gram_C[row * LD + col + q] = vals[q];
+          gram_C[(col + q) * LD + row] = vals[q];
+        }
+      }
+    }
   }
   pow_init_basis<RB>(Bs, D, p.seed, Gtmp, Kd, &s_flag);  // barriers: gram_C complete
   DType* Bout = static_cast<DType*>(p.B) + n * D * r;
