@@ -576,6 +576,35 @@ def test_cuda_power_iter_gram_path_batch_and_degenerate(dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,d", [(48, 64), (200, 128), (700, 96)])  # one-block / split paths
+@pytest.mark.parametrize("rank", [1, 2, 4, 8])
+def test_cuda_power_iter_degenerate(dtype, T, d, rank):
+    """Zero, rank-1 and repeated-singular-value matrices through the register-resident
+    Cholesky-QR / Jacobi code (pow_chol_orth / pow_eig_desc): finite, zero in -> zero out,
+    and the approximation error matches the CPU op's."""
+    X = decaying((6, 1, T, d), seed=T + d + rank).to(dtype)
+    X[0] = 0
+    X[1] = (torch.randn(1, T, 1) @ torch.randn(1, 1, d)).to(dtype)
+    Q1 = torch.linalg.qr(torch.randn(T, 3, dtype=torch.float64))[0]
+    Q2 = torch.linalg.qr(torch.randn(d, 3, dtype=torch.float64))[0]
+    X[2, 0] = (Q1 @ Q2.mT).to(dtype)  # three equal singular values
+    A, B = [t.cpu().double() for t in kvq.lowrank_power_iter(X.cuda(), rank, 3, 0)]
+    A0, B0 = kvq.lowrank_power_iter(X, rank, 3, 0)
+    assert torch.isfinite(A).all() and torch.isfinite(B).all()
+    assert (A[0] == 0).all() and (B[0] == 0).all()
+    Xd = X.double()
+    for i in range(1, 6):
+        e0 = (Xd[i] - A0[i].double() @ B0[i].double().mT).norm()
+        e1 = (Xd[i] - A[i] @ B[i].mT).norm()
+        assert e1 <= 1.02 * e0 + 2e-2 * Xd[i].norm(), (i, e1, e0)
+        if i >= 3:  # full-rank inputs: orthonormal A
+            AtA = A[i, 0].mT @ A[i, 0]
+            torch.testing.assert_close(AtA, torch.eye(rank, dtype=torch.float64),
+                                       atol=1e-2, rtol=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize("bits,G", [(2, 32), (4, -1), (2, 64)])
 @pytest.mark.parametrize("T,D", [(64, 128), (320, 64), (4096, 128), (20, 256)])

@@ -152,46 +152,217 @@ __device__ __forceinline__ void pow_store_M(const float (&m)[PowerSlots<DMAX, RB
   }
 }
 
-/// \brief Gd = Bs^T Bs in double (threads < RB^2).
-template <int RB>
-__device__ __forceinline__ void pow_gram_B(const float* Bs, int d, double* Gd) {
-  if (threadIdx.x < RB * RB) {
-    const int a = threadIdx.x / RB, b = threadIdx.x % RB;
-    double s = 0.0;
-    for (int j = 0; j < d; ++j) s += (double)Bs[j * kBStride + a] * (double)Bs[j * kBStride + b];
-    Gd[a * RB + b] = s;
+/// \brief Gd[a * RB + b] (all a, b < RB) = sum_j X[j, a] Y[j, b] in double, symmetrized:
+/// CROSS = false needs Y == X (Gram matrix; entries a <= b computed, mirrored); CROSS = true
+/// gives 0.5 (X^T Y + Y^T X).  All threads, no barrier inside (the caller syncs before reading
+/// Gd).  Warp w owns entries u = w, w + 8, .. of the upper triangle, lane l sums rows
+/// j = l (mod 32), then a fixed xor-shuffle tree: deterministic, chain ~ d / 32 DFMAs + 5
+/// shuffle steps instead of a d-long DFMA chain on RB^2 threads.
+template <int RB, bool CROSS>
+__device__ __forceinline__ void pow_gram_dd(const float* X, int ldx, const float* Y, int ldy,
+                                            int d, double* Gd) {
+  constexpr int NU = RB * (RB + 1) / 2, NW = kPowThreads / 32, EPW = (NU + NW - 1) / NW;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int ea[EPW], eb[EPW];
+  double s[EPW];
+#pragma unroll
+  for (int k = 0; k < EPW; ++k) {
+    int u = warp + k * NW, a = 0;
+    if (u >= NU) u = 0;  // padding entry: computed, never stored
+    while (u >= RB - a) {
+      u -= RB - a;
+      ++a;
+    }
+    ea[k] = a;
+    eb[k] = a + u;
+    s[k] = 0.0;
+  }
+  for (int j = lane; j < d; j += 32) {
+#pragma unroll
+    for (int k = 0; k < EPW; ++k) {
+      const double xa = X[j * ldx + ea[k]], xb = X[j * ldx + eb[k]];
+      if (CROSS) {
+        s[k] = fma(xa, (double)Y[j * ldy + eb[k]], s[k]);
+        s[k] = fma(xb, (double)Y[j * ldy + ea[k]], s[k]);
+      } else {
+        s[k] = fma(xa, xb, s[k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < EPW; ++k) {
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) s[k] += __shfl_xor_sync(kPowFullMask, s[k], o);
+    if (lane == 0 && warp + k * NW < NU) {
+      const double v = CROSS ? 0.5 * s[k] : s[k];
+      Gd[ea[k] * RB + eb[k]] = v;
+      Gd[eb[k] * RB + ea[k]] = v;
+    }
   }
 }
 
-/// \brief Orthonormalize the r columns of Bs in place (refill all-zero columns first).
-/// Starts and ends with a barrier-consistent Bs.
+/// \brief gram_orthonormalizer (power_svd.h) for the compile-time width N = RB, register
+/// resident (fully unrolled: no stack, no local memory).  Same pivot rule and drop tests;
+/// 1 / sqrt(pivot) is one rsqrt (<= 1 ulp in double) instead of sqrt + divide, so K agrees
+/// with the generic version to ~1e-16 relative.  Reads G ([N, N], shared), writes all of K.
+/// One thread.
+template <int N>
+__device__ __forceinline__ void pow_chol_orth(const double* G, double tr_rel, double* K) {
+  double L[N][N], inv[N], k[N][N];  // L: strictly lower part used
+  double tr = 0.0;
+#pragma unroll
+  for (int c = 0; c < N; ++c) tr += G[c * N + c];
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+    double s = G[c * N + c];
+#pragma unroll
+    for (int a = 0; a < c; ++a) s -= L[c][a] * L[c][a];
+    const double own = G[c * N + c];
+    const bool dead = !(tr > 0.0) || !(s > 1e-6 * own) || !(s > tr_rel * tr);
+    const double is = dead ? 0.0 : rsqrt(s);
+    inv[c] = is;
+#pragma unroll
+    for (int i = c + 1; i < N; ++i) {
+      double v = G[i * N + c];
+#pragma unroll
+      for (int a = 0; a < c; ++a) v -= L[i][a] * L[c][a];
+      L[i][c] = v * is;
+    }
+  }
+  // K = (L^T)^+ : upper triangular, back substitution (dead rows / columns -> 0).
+#pragma unroll
+  for (int c = 0; c < N; ++c) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) k[i][c] = 0.0;
+    k[c][c] = inv[c];
+#pragma unroll
+    for (int i = c - 1; i >= 0; --i) {
+      double v = 0.0;
+#pragma unroll
+      for (int a = i + 1; a <= c; ++a) v += L[a][i] * k[a][c];
+      k[i][c] = inv[i] == 0.0 ? 0.0 : -v * inv[i];  // dead row -> 0
+    }
+    if (inv[c] == 0.0) {  // dead column -> 0
+#pragma unroll
+      for (int i = 0; i < N; ++i) k[i][c] = 0.0;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int c = 0; c < N; ++c) K[i * N + c] = k[i][c];
+}
+
+/// \brief Top eigenvectors for the truncation: S = G / max diag(G) in float, cyclic Jacobi
+/// (the pair order and stopping rule of sym_eig_desc), register resident, fully unrolled.
+/// Rotation of pair (p, q): t = sgn(theta) 2|a| / (|tau| + sqrt(tau^2 + 4 a^2)) (= the
+/// textbook sgn(theta) / (|theta| + sqrt(theta^2 + 1)) with theta = tau / 2a, tau = S_qq - S_pp,
+/// a = S_pq, no overflow), c = rsqrt(1 + t^2), s = t c; S_pp -= t a, S_qq += t a, S_pq = 0
+/// exactly.  |a| < 1e-18 (S is scaled to max diag 1, so far below float resolution) counts as
+/// 0.  Writes the eigenvectors as the columns of K ([N, N] double), sorted by decreasing
+/// eigenvalue (ties: smaller index first, as sym_eig_desc).  One thread.
+template <int N>
+__device__ __forceinline__ void pow_eig_desc(const double* G, double* K) {
+  float S[N][N], V[N][N];
+  double gmax = 0.0;
+#pragma unroll
+  for (int i = 0; i < N; ++i) gmax = G[i * N + i] > gmax ? G[i * N + i] : gmax;
+  const double sc = gmax > 0.0 ? 1.0 / gmax : 1.0;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      S[i][j] = (float)(G[i * N + j] * sc);
+      V[i][j] = i == j ? 1.f : 0.f;
+    }
+  for (int sweep = 0; sweep < 30; ++sweep) {
+    float off = 0.f, diag = 0.f;
+#pragma unroll
+    for (int p = 0; p < N; ++p) {
+      diag += S[p][p] * S[p][p];
+#pragma unroll
+      for (int q = p + 1; q < N; ++q) off += S[p][q] * S[p][q];
+    }
+    if (!(off > 1e-14f * diag)) break;
+#pragma unroll
+    for (int p = 0; p < N - 1; ++p)
+#pragma unroll
+      for (int q = p + 1; q < N; ++q) {
+        const float a = S[p][q];
+        if (!(fabsf(a) >= 1e-18f)) continue;  // (NaN: skipped as well)
+        const float tau = S[q][q] - S[p][p];
+        const float a2 = 2.f * fabsf(a);
+        const float h = fmaf(tau, tau, a2 * a2);
+        const float root = h * rsqrtf(h);
+        // sgn(theta): theta = tau / 2a >= 0 (also for tau = -0 / +0) -> +1
+        const bool neg = tau != 0.f && (signbit(tau) != signbit(a));
+        float t = __fdividef(a2, fabsf(tau) + root);
+        t = neg ? -t : t;
+        const float c = rsqrtf(fmaf(t, t, 1.f)), s = t * c;
+        const float ta = t * a;
+        S[p][p] -= ta;
+        S[q][q] += ta;
+        S[p][q] = 0.f;
+        S[q][p] = 0.f;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          if (k == p || k == q) continue;
+          const float kp = S[k][p], kq = S[k][q];
+          const float np = c * kp - s * kq, nq = s * kp + c * kq;
+          S[k][p] = np;
+          S[p][k] = np;
+          S[k][q] = nq;
+          S[q][k] = nq;
+        }
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const float kp = V[k][p], kq = V[k][q];
+          V[k][p] = c * kp - s * kq;
+          V[k][q] = s * kp + c * kq;
+        }
+      }
+  }
+  // Column i goes to position #{j : S_jj > S_ii} + #{j < i : S_jj == S_ii}.
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    int pos = 0;
+#pragma unroll
+    for (int j = 0; j < N; ++j)
+      pos += (S[j][j] > S[i][i] || (j < i && S[j][j] == S[i][i])) ? 1 : 0;
+    pos = pos < N ? pos : N - 1;
+#pragma unroll
+    for (int a = 0; a < N; ++a) K[a * N + pos] = (double)V[a][i];
+  }
+}
+
+/// \brief Orthonormalize the RB columns of Bs in place (refill all-zero columns from Omega
+/// first).  Starts and ends with a barrier-consistent Bs.
 template <int RB>
-__device__ void pow_orth_block(float* Bs, int d, int r, uint64_t seed, double* Gd, double* Kd,
+__device__ void pow_orth_block(float* Bs, int d, uint64_t seed, double* Gd, double* Kd,
                                int* s_flag) {
   __syncthreads();
-  pow_gram_B<RB>(Bs, d, Gd);
+  pow_gram_dd<RB, false>(Bs, kBStride, Bs, kBStride, d, Gd);
   __syncthreads();
   if (threadIdx.x == 0) {
     int m = 0;
-    for (int c = 0; c < r; ++c)
+#pragma unroll
+    for (int c = 0; c < RB; ++c)
       if (Gd[c * RB + c] == 0.0) m |= 1 << c;
     *s_flag = m;
+    if (m == 0) pow_chol_orth<RB>(Gd, 0.0, Kd);  // common case: no refill round
   }
   __syncthreads();
   const int mask = *s_flag;
   if (mask) {  // block-uniform
     for (int j = threadIdx.x; j < d; j += kPowThreads)
-      for (int c = 0; c < r; ++c)
+      for (int c = 0; c < RB; ++c)
         if ((mask >> c) & 1) Bs[j * kBStride + c] = init_value(seed, j, c);
     __syncthreads();
-    pow_gram_B<RB>(Bs, d, Gd);
+    pow_gram_dd<RB, false>(Bs, kBStride, Bs, kBStride, d, Gd);
+    __syncthreads();
+    if (threadIdx.x == 0) pow_chol_orth<RB>(Gd, 0.0, Kd);
     __syncthreads();
   }
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < RB * RB; ++i) Kd[i] = 0.0;
-    gram_orthonormalizer(Gd, RB, r, Kd, RB, 0.0);
-  }
-  __syncthreads();
   for (int j = threadIdx.x; j < d; j += kPowThreads) {
     float row[RB];
 #pragma unroll
@@ -207,28 +378,27 @@ __device__ void pow_orth_block(float* Bs, int d, int r, uint64_t seed, double* G
   __syncthreads();
 }
 
-/// \brief Bs = orth(Omega): the start basis (columns >= r are zero).
+/// \brief Bs = orth(Omega): the start basis (all RB columns).
 template <int RB>
-__device__ void pow_init_basis(float* Bs, int d, int r, uint64_t seed, double* Gd, double* Kd,
+__device__ void pow_init_basis(float* Bs, int d, uint64_t seed, double* Gd, double* Kd,
                                int* s_flag) {
   for (int j = threadIdx.x; j < d; j += kPowThreads)
 #pragma unroll
-    for (int c = 0; c < RB; ++c) Bs[j * kBStride + c] = c < r ? init_value(seed, j, c) : 0.f;
-  pow_orth_block<RB>(Bs, d, r, seed, Gd, Kd, s_flag);
+    for (int c = 0; c < RB; ++c) Bs[j * kBStride + c] = init_value(seed, j, c);
+  pow_orth_block<RB>(Bs, d, seed, Gd, Kd, s_flag);
 }
 
 /// \brief From M (Ms, [d, RB]) and G (Gd) of this iteration and the basis Bs it used:
 /// K = orthonormalizer(G); B_i = M K; W = Bs K (all RB wide).  Not last: leave orth(B_i) in
 /// Bs.  Last: truncate to rank r (U = top-r eigenvectors of B_i^T B_i), write B_i U to Bout
 /// ([d, r]) and leave W U (columns >= r zero) in Bs.  Ms is overwritten.  Ends with a barrier.
+/// The w x w work (Cholesky, Jacobi) is one thread's register-resident code; the d x w Gram
+/// matrices use all threads (pow_gram_dd).
 template <typename DType, int RB>
 __device__ void pow_finalize(float* Ms, const double* Gd, double* Kd, float* Bs, int d, int r,
                              bool last, uint64_t seed, DType* Bout, double* Gtmp, int* s_flag) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < RB * RB; ++i) Kd[i] = 0.0;
-    gram_orthonormalizer(Gd, RB, RB, Kd, RB, 1e-7);
-  }
+  if (threadIdx.x == 0) pow_chol_orth<RB>(Gd, 1e-7, Kd);
   __syncthreads();
   for (int j = threadIdx.x; j < d; j += kPowThreads) {  // each thread owns whole rows j
     float bn[RB], w[RB];
@@ -250,28 +420,13 @@ __device__ void pow_finalize(float* Ms, const double* Gd, double* Kd, float* Bs,
     }
   }
   if (!last) {
-    pow_orth_block<RB>(Bs, d, RB, seed, Gtmp, Kd, s_flag);
+    pow_orth_block<RB>(Bs, d, seed, Gtmp, Kd, s_flag);
     return;
   }
   __syncthreads();
-  if (threadIdx.x < RB * RB) {  // Gram of B_i (now in Ms)
-    const int a = threadIdx.x / RB, b = threadIdx.x % RB;
-    double s = 0.0;
-    for (int j = 0; j < d; ++j) s += (double)Ms[j * RB + a] * (double)Ms[j * RB + b];
-    Gtmp[a * RB + b] = s;
-  }
+  pow_gram_dd<RB, false>(Ms, RB, Ms, RB, d, Gtmp);  // Gram of B_i (now in Ms)
   __syncthreads();
-  if (threadIdx.x == 0) {
-    // NOTE: float Jacobi (short latency chain); the eigenvectors only pick the rank-r
-    // subspace, A = Q U stays orthonormal to float precision either way.
-    float Sf[RB * RB], Uf[RB * RB];
-    double gmax = 0.0;
-    for (int i = 0; i < RB; ++i) gmax = Gtmp[i * RB + i] > gmax ? Gtmp[i * RB + i] : gmax;
-    const double sc = gmax > 0.0 ? 1.0 / gmax : 1.0;
-    for (int i = 0; i < RB * RB; ++i) Sf[i] = (float)(Gtmp[i] * sc);
-    sym_eig_desc<float>(Sf, RB, RB, Uf, RB);
-    for (int i = 0; i < RB * RB; ++i) Kd[i] = (double)Uf[i];
-  }
+  if (threadIdx.x == 0) pow_eig_desc<RB>(Gtmp, Kd);
   __syncthreads();
   for (int j = threadIdx.x; j < d; j += kPowThreads) {
     float bo[RB], wo[RB];
@@ -314,7 +469,7 @@ __device__ __forceinline__ void pow_small_run(const float* Rs, float* Ps, int ro
   __shared__ float Ms[DMAX * RB];
   __shared__ double Gd[RB * RB], Kd[RB * RB], Gtmp[RB * RB];
   __shared__ int s_flag;
-  pow_init_basis<RB>(Bs, d, RB, seed, Gtmp, Kd, &s_flag);  // ends with a barrier
+  pow_init_basis<RB>(Bs, d, seed, Gtmp, Kd, &s_flag);  // ends with a barrier
   for (int it = 1; it <= iters; ++it) {
     for (int row0 = 0; row0 < rows_pad; row0 += kPowTile) pow_compute_P<DMAX, RB>(Rs, row0, d, Bs, Ps);
     __syncthreads();
@@ -369,7 +524,7 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterPassKernel(PowerIterPara
   const int d = (int)p.d, r = p.rank;
   const DType* X = static_cast<const DType*>(p.x) + n * T * d;
   if (it == 1) {
-    pow_init_basis<RB>(Bs, d, RB, p.seed, Gd, Kd, &s_flag);
+    pow_init_basis<RB>(Bs, d, p.seed, Gd, Kd, &s_flag);
   } else {
     const float* src = p.ws + (it == 0 ? N * d * RB : 0) + n * d * RB;
     for (int idx = threadIdx.x; idx < d * RB; idx += kPowThreads)
@@ -432,7 +587,7 @@ __global__ void __launch_bounds__(kPowThreads, 1) PowerIterPassRegKernel(PowerIt
   const int d = DMAX, r = p.rank;
   const DType* X = static_cast<const DType*>(p.x) + n * T * d;
   if (it == 1) {
-    pow_init_basis<RB>(Bs, d, RB, p.seed, Gd, Kd, &s_flag);  // ends with a barrier
+    pow_init_basis<RB>(Bs, d, p.seed, Gd, Kd, &s_flag);  // ends with a barrier
   } else {
     const float* src = p.ws + (it == 0 ? N * d * RB : 0) + n * d * RB;
     for (int idx = tid; idx < d * RB; idx += kPowThreads)
@@ -558,7 +713,7 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterFinalizeKernel(PowerIter
   float* Bt = p.ws + n * d * RB;
   float* W = p.ws + N * d * RB + n * d * RB;
   if (it == 1) {
-    pow_init_basis<RB>(Bs, d, RB, p.seed, Gtmp, Kd, &s_flag);
+    pow_init_basis<RB>(Bs, d, p.seed, Gtmp, Kd, &s_flag);
   } else {
     for (int idx = threadIdx.x; idx < d * RB; idx += kPowThreads)
       Bs[(idx / RB) * kBStride + idx % RB] = Bt[idx];
@@ -801,20 +956,49 @@ __global__ void __maxnreg__(224) PowerGramIterateKernel(PowerIterParams p, int64
   const int64_t n = blockIdx.x, N = p.N;
   const int r = p.rank, tid = threadIdx.x;
   const float* part = p.ws + 2 * N * D * RB + n * S * PACK;
-  for (int e = tid; e < PACK; e += kPowThreads) {
-    float acc = 0.f;
-    for (int64_t sp = 0; sp < S; ++sp) acc += part[sp * PACK + e];  // fixed order
-    const int b = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
-    int i = 0, rem = b;
-    while (rem >= NB - i) {
-      rem -= NB - i;
-      ++i;
+  {  // sum the partials, fixed order over sp (deterministic); all VPT float4 loads of a
+     // partial in flight (the scalar loop waited one L2 round trip per element)
+    constexpr int P4 = PACK / 4, VPT = (P4 + kPowThreads - 1) / kPowThreads;
+    const float4* part4 = reinterpret_cast<const float4*>(part);  // 16-byte aligned (PACK % 4 == 0)
+    float4 acc[VPT];
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t sp = 0; sp < S; ++sp) {
+      float4 v[VPT];
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        const int e4 = tid + i * kPowThreads;
+        v[i] = e4 < P4 ? part4[sp * P4 + e4] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int i = 0; i < VPT; ++i) {
+        acc[i].x += v[i].x;
+        acc[i].y += v[i].y;
+        acc[i].z += v[i].z;
+        acc[i].w += v[i].w;
+      }
     }
-    const int row = i * 16 + rr, col = (i + rem) * 16 + cc;
-    gram_C[row * LD + col] = acc;
-    gram_C[col * LD + row] = acc;
+#pragma unroll
+    for (int i = 0; i < VPT; ++i) {
+      const int e4 = tid + i * kPowThreads;
+      if (e4 < P4) {
+        const int e = e4 * 4, b = e >> 8, rr = (e >> 4) & 15, cc = e & 15;
+        int bi = 0, rem = b;
+        while (rem >= NB - bi) {
+          rem -= NB - bi;
+          ++bi;
+        }
+        const int row = bi * 16 + rr, col = (bi + rem) * 16 + cc;
+        const float vals[4] = {acc[i].x, acc[i].y, acc[i].z, acc[i].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          gram_C[row * LD + col + q] = vals[q];
+          gram_C[(col + q) * LD + row] = vals[q];
+        }
+      }
+    }
   }
-  pow_init_basis<RB>(Bs, D, RB, p.seed, Gtmp, Kd, &s_flag);  // barriers: gram_C complete
+  pow_init_basis<RB>(Bs, D, p.seed, Gtmp, Kd, &s_flag);  // barriers: gram_C complete
   DType* Bout = static_cast<DType*>(p.B) + n * D * r;
   for (int it = 1; it <= p.iters; ++it) {
     {  // M = C B~: thread (j, k-slice), reading C[k][j] (= C[j][k]) along j: conflict-free
@@ -840,17 +1024,8 @@ __global__ void __maxnreg__(224) PowerGramIterateKernel(PowerIterParams p, int64
       Ms[e] = sum;
     }
     __syncthreads();
-    if (tid < RB * RB) {  // G = B~^T M = B~^T C B~ (double sums)
-      const int a = tid / RB, b = tid % RB;
-      double sum = 0.0;
-      for (int j = 0; j < D; ++j) sum += (double)Bs[j * kBStride + a] * (double)Ms[j * RB + b];
-      Gtmp[tid] = sum;
-    }
-    __syncthreads();
-    if (tid < RB * RB) {
-      const int a = tid / RB, b = tid % RB;
-      Gd[tid] = 0.5 * (Gtmp[a * RB + b] + Gtmp[b * RB + a]);
-    }
+    // G = 0.5 (B~^T M + M^T B~) = B~^T C B~ (double sums; pow_finalize syncs first)
+    pow_gram_dd<RB, true>(Bs, kBStride, Ms, RB, D, Gd);
     pow_finalize<DType, RB>(Ms, Gd, Kd, Bs, D, r, it == p.iters, p.seed, Bout, Gtmp, &s_flag);
   }
   float* W = p.ws + N * D * RB + n * D * RB;
