@@ -82,8 +82,11 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   static_assert(sizeof(DType) == 2, "16-bit dtypes only");
   extern __shared__ uint4 gk_smem[];
   uint4* slab = gk_smem;                                                  // [slots]
-  uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots);        // [2][NC][NT]
-  uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots);         // [2][NC][cap] (aliases exch)
+  // outlier flags: byte j * NT + i = channel bits of token i * tpt + j (thread-major: the
+  // final loop's byte reads are conflict-free)
+  uint32_t* omask = reinterpret_cast<uint32_t*>(gk_smem + pl.slots);       // [tpt * NT] bytes
+  uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots + pl.tpt * (NT / 16));  // [2][NC][NT]
+  uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots + pl.tpt * (NT / 16));   // [2][NC][cap] (aliases exch)
   __shared__ int s_cnt[2][NC];
   __shared__ uint32_t s_tau[2][NC];   // candidate thresholds on the 16-bit keys
   __shared__ uint32_t s_thr[2][NC];   // outlier iff ck >= s_thr[0][c] or ck <= s_thr[1][c]
@@ -101,6 +104,8 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   const uint4* xg = reinterpret_cast<const uint4*>(static_cast<const DType*>(p.x) + n * p.T * p.D + s * NC);
   const int rstride = D / NC;  // uint4 per token row of x
   if (tid < 2 * NC) (&s_cnt[0][0])[tid] = 0;
+  if (p.k > 0)
+    for (int i = tid; i < tpt * (NT / 4); i += NT) omask[i] = 0u;  // barriers follow before use
 
   // ---- 1. load the slab once (cp.async: all of the thread's rows in flight at once, no
   // registers held; each thread later reads back only the rows it copied itself, so its own
@@ -208,6 +213,10 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
     // ---- 4. exact selection per (channel, side): warp c
     {
       const int c = warp;
+      auto mark = [&](int t) {  // token t of channel c is an outlier
+        const int o = t / tpt, b = (t - o * tpt) * NT + o;
+        atomicOr(&omask[b >> 2], 1u << ((b & 3) * 8 + c));
+      };
       const int64_t vbase = (n * p.D + s * NC + c) * 2 * (int64_t)k;
       const unsigned below = (1u << lane) - 1u;
       for (int side = 0; side < 2; ++side) {
@@ -230,6 +239,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
               }
               ovalues[vbase + side * k + pos].bits = (uint16_t)gk_val_bits(kk, side);
               oindices[vbase + side * k + pos] = (int16_t)idx;
+              mark((int)idx);
             }
           }
         } else {
@@ -251,6 +261,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
               const uint32_t kk = at(t);
               ovalues[vbase + side * k + pos].bits = (uint16_t)gk_val_bits(kk, side);
               oindices[vbase + side * k + pos] = (int16_t)t;
+              mark(t);
             }
             base += __popc(m);
           }
@@ -371,12 +382,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
         *reinterpret_cast<uint4*>(p.q.zero + si) = zv;
       }
     }
-    uint32_t thr_t[NC], thr_b[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      thr_t[c] = HK ? s_thr[0][c] : 0u;
-      thr_b[c] = HK ? s_thr[1][c] : 0u;
-    }
+    const uint8_t* om = reinterpret_cast<const uint8_t*>(omask) + tid;
     constexpr float maxq = (float)((1 << BITS) - 1);
     uint8_t* codes = reinterpret_cast<uint8_t*>(p.q.codes) + (n * p.T) * (p.D * BITS / 8) + s * BITS;
     uint16_t* resid = p.resid + (n * p.T) * p.D + s * NC;
@@ -384,6 +390,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
       const uint4 v = slab[t ^ sw];
       uint64_t word = 0;
       uint32_t r[NC];
+      const uint32_t m = HK ? (uint32_t)om[(t - t0) * NT] : 0u;  // outlier channel bits
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         const uint32_t h = gk_half(v, c);
@@ -393,10 +400,8 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
         // NOTE: code * scale + zero as one FMA, as GearClampQuantResidKernel.
         const float d = xv - __fmaf_rn((float)code, qs[c], qz[c]);
         bool zero = !isfinite(d);
-        if constexpr (HK) {
-          const uint32_t ck = (select::orderable_key16(h) << 16) | (0xffffu - (uint32_t)t);
-          zero = zero || ck >= thr_t[c] || ck <= thr_b[c];
-        }
+        // outliers (the entries step 4 stored): ck >= s_thr[0][c] or ck <= s_thr[1][c]
+        if constexpr (HK) zero = zero || ((m >> c) & 1u);
         r[c] = __half_as_ushort(__float2half_rn(zero ? 0.f : d));
       }
       uint4 o;
