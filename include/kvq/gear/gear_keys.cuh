@@ -82,8 +82,11 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   static_assert(sizeof(DType) == 2, "16-bit dtypes only");
   extern __shared__ uint4 gk_smem[];
   uint4* slab = gk_smem;                                                  // [slots]
-  uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots);        // [2][NC][NT]
-  uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots);         // [2][NC][cap] (aliases exch)
+  // outlier flags: byte j * NT + i = channel bits of token i * tpt + j (thread-major: the
+  // final loop's byte reads are conflict-free)
+  uint32_t* omask = reinterpret_cast<uint32_t*>(gk_smem + pl.slots);       // [tpt * NT] bytes
+  uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots + pl.tpt * (NT / 16));  // [2][NC][NT]
+  uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots + pl.tpt * (NT / 16));   // [2][NC][cap] (aliases exch)
   __shared__ int s_cnt[2][NC];
   __shared__ uint32_t s_tau[2][NC];   // candidate thresholds on the 16-bit keys
   __shared__ uint32_t s_thr[2][NC];   // outlier iff ck >= s_thr[0][c] or ck <= s_thr[1][c]
@@ -101,27 +104,32 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   const uint4* xg = reinterpret_cast<const uint4*>(static_cast<const DType*>(p.x) + n * p.T * p.D + s * NC);
   const int rstride = D / NC;  // uint4 per token row of x
   if (tid < 2 * NC) (&s_cnt[0][0])[tid] = 0;
+  if (p.k > 0)
+    for (int i = tid; i < tpt * (NT / 4); i += NT) omask[i] = 0u;  // barriers follow before use
 
-  // ---- 1. load the slab once; per-thread max / min order keys per channel; finite check
+  // ---- 1. load the slab once (cp.async: all of the thread's rows in flight at once, no
+  // registers held; each thread later reads back only the rows it copied itself, so its own
+  // wait_group suffices); per-thread max / min order keys per channel; finite check
+  {
+    const uint32_t sb = (uint32_t)__cvta_generic_to_shared(slab);
+    for (int t = t0; t < t1; ++t)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sb + 16u * (uint32_t)(t ^ sw)),
+                   "l"(xg + (int64_t)t * rstride)
+                   : "memory");
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  }
   uint32_t kmax[4] = {0u, 0u, 0u, 0u}, kmin[4] = {~0u, ~0u, ~0u, ~0u}, amax = 0u;
-  for (int tb = t0; tb < t1; tb += 4) {
-    uint4 v[4];
+#pragma unroll 4
+  for (int t = t0; t < t1; ++t) {
+    const uint4 v = slab[t ^ sw];
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (tb + u < t1) v[u] = __ldg(xg + (int64_t)(tb + u) * rstride);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (tb + u < t1) {
-        slab[(tb + u) ^ sw] = v[u];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t w = gk_word(v[u], i);
-          amax = __vmaxu2(amax, w & 0x7fff7fffu);
-          const uint32_t k2 = gk_keys2(w);
-          kmax[i] = __vmaxu2(kmax[i], k2);
-          kmin[i] = __vminu2(kmin[i], k2);
-        }
-      }
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t w = gk_word(v, i);
+      amax = __vmaxu2(amax, w & 0x7fff7fffu);
+      const uint32_t k2 = gk_keys2(w);
+      kmax[i] = __vmaxu2(kmax[i], k2);
+      kmin[i] = __vminu2(kmin[i], k2);
     }
   }
   if (p.status) {
@@ -205,6 +213,10 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
     // ---- 4. exact selection per (channel, side): warp c
     {
       const int c = warp;
+      auto mark = [&](int t) {  // token t of channel c is an outlier
+        const int o = t / tpt, b = (t - o * tpt) * NT + o;
+        atomicOr(&omask[b >> 2], 1u << ((b & 3) * 8 + c));
+      };
       const int64_t vbase = (n * p.D + s * NC + c) * 2 * (int64_t)k;
       const unsigned below = (1u << lane) - 1u;
       for (int side = 0; side < 2; ++side) {
@@ -227,6 +239,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
               }
               ovalues[vbase + side * k + pos].bits = (uint16_t)gk_val_bits(kk, side);
               oindices[vbase + side * k + pos] = (int16_t)idx;
+              mark((int)idx);
             }
           }
         } else {
@@ -248,6 +261,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
               const uint32_t kk = at(t);
               ovalues[vbase + side * k + pos].bits = (uint16_t)gk_val_bits(kk, side);
               oindices[vbase + side * k + pos] = (int16_t)t;
+              mark(t);
             }
             base += __popc(m);
           }
@@ -269,144 +283,147 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   }
 
   // ---- 5. clamp + per-channel group quantization + residual
-  float lo[NC], hi[NC];
+  // (compiled twice: with and without outliers, so the k == 0 path carries no clamp / outlier
+  // instructions and the k > 0 path no predicates on k; same arithmetic either way)
+  auto phase5 = [&](auto has_k) {
+    constexpr bool HK = decltype(has_k)::value;
+    float lo[NC], hi[NC];
 #pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    lo[c] = k > 0 ? s_lo[c] : 0.f;
-    hi[c] = k > 0 ? s_hi[c] : 0.f;
-  }
-  auto xc_of = [&](uint32_t h, int c) {
-    DType d;
-    d.bits = (uint16_t)h;
-    float v = to_float(d);
-    if (k > 0) v = to_float(from_float<DType>(fminf(fmaxf(v, lo[c]), hi[c])));
-    return v;
+    for (int c = 0; c < NC; ++c) {
+      lo[c] = HK ? s_lo[c] : 0.f;
+      hi[c] = HK ? s_hi[c] : 0.f;
+    }
+    auto xc_of = [&](uint32_t h, int c) {
+      DType d;
+      d.bits = (uint16_t)h;
+      float v = to_float(d);
+      if constexpr (HK) v = to_float(from_float<DType>(fminf(fmaxf(v, lo[c]), hi[c])));
+      return v;
+    };
+    float mn[NC], mx[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      mn[c] = INFINITY;
+      mx[c] = -INFINITY;
+    }
+    for (int t = t0; t < t1; ++t) {
+      const uint4 v = slab[t ^ sw];
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const float xv = xc_of(gk_half(v, c), c);
+        mn[c] = fminf(mn[c], xv);
+        mx[c] = fmaxf(mx[c], xv);
+      }
+    }
+    const int lanes = pl.lanes;
+    if (lanes > 0) {
+      for (int o = 1; o < lanes; o <<= 1) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          mn[c] = fminf(mn[c], __shfl_xor_sync(kGkFull, mn[c], o));
+          mx[c] = fmaxf(mx[c], __shfl_xor_sync(kGkFull, mx[c], o));
+        }
+      }
+    } else {  // KCVT: the whole channel is one group
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          mn[c] = fminf(mn[c], __shfl_xor_sync(kGkFull, mn[c], o));
+          mx[c] = fmaxf(mx[c], __shfl_xor_sync(kGkFull, mx[c], o));
+        }
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          s_red[warp][c][0] = mn[c];
+          s_red[warp][c][1] = mx[c];
+        }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        float a = s_red[0][c][0], b = s_red[0][c][1];
+        for (int w = 1; w < NT / 32; ++w) {
+          a = fminf(a, s_red[w][c][0]);
+          b = fmaxf(b, s_red[w][c][1]);
+        }
+        mn[c] = a;
+        mx[c] = b;
+      }
+    }
+    if (t0 >= T) return;  // no tokens (after the last block-wide barrier)
+    float qs[NC], qz[NC], qi[NC];
+    {
+      uint16_t s16[NC], z16[NC];
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const quant::QParams q = quant::make_qparams(mn[c], mx[c], BITS);
+        qs[c] = q.scale;
+        qz[c] = q.zero;
+        qi[c] = q.inv;
+        s16[c] = q.s16;
+        z16[c] = q.z16;
+      }
+      const int64_t G = p.q.group;
+      const bool writer = lanes > 0 ? (tid % lanes) == 0 : tid == 0;
+      if (writer) {
+        const int64_t si = (n * (p.T / G) + t0 / G) * p.D + s * NC;
+        uint4 sv, zv;
+        sv.x = s16[0] | ((uint32_t)s16[1] << 16);
+        sv.y = s16[2] | ((uint32_t)s16[3] << 16);
+        sv.z = s16[4] | ((uint32_t)s16[5] << 16);
+        sv.w = s16[6] | ((uint32_t)s16[7] << 16);
+        zv.x = z16[0] | ((uint32_t)z16[1] << 16);
+        zv.y = z16[2] | ((uint32_t)z16[3] << 16);
+        zv.z = z16[4] | ((uint32_t)z16[5] << 16);
+        zv.w = z16[6] | ((uint32_t)z16[7] << 16);
+        *reinterpret_cast<uint4*>(p.q.scale + si) = sv;
+        *reinterpret_cast<uint4*>(p.q.zero + si) = zv;
+      }
+    }
+    const uint8_t* om = reinterpret_cast<const uint8_t*>(omask) + tid;
+    constexpr float maxq = (float)((1 << BITS) - 1);
+    uint8_t* codes = reinterpret_cast<uint8_t*>(p.q.codes) + (n * p.T) * (p.D * BITS / 8) + s * BITS;
+    uint16_t* resid = p.resid + (n * p.T) * p.D + s * NC;
+    for (int t = t0; t < t1; ++t) {
+      const uint4 v = slab[t ^ sw];
+      uint64_t word = 0;
+      uint32_t r[NC];
+      const uint32_t m = HK ? (uint32_t)om[(t - t0) * NT] : 0u;  // outlier channel bits
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const uint32_t h = gk_half(v, c);
+        const float xv = xc_of(h, c);
+        const uint32_t code = quant::quant_code(xv, qz[c], qi[c], maxq);
+        word |= (uint64_t)code << (c * BITS);
+        // NOTE: code * scale + zero as one FMA, as GearClampQuantResidKernel.
+        const float d = xv - __fmaf_rn((float)code, qs[c], qz[c]);
+        bool zero = !isfinite(d);
+        // outliers (the entries step 4 stored): ck >= s_thr[0][c] or ck <= s_thr[1][c]
+        if constexpr (HK) zero = zero || ((m >> c) & 1u);
+        r[c] = __half_as_ushort(__float2half_rn(zero ? 0.f : d));
+      }
+      uint4 o;
+      o.x = r[0] | (r[1] << 16);
+      o.y = r[2] | (r[3] << 16);
+      o.z = r[4] | (r[5] << 16);
+      o.w = r[6] | (r[7] << 16);
+      *reinterpret_cast<uint4*>(resid + (int64_t)t * p.D) = o;
+      uint8_t* cw = codes + (int64_t)t * (p.D * BITS / 8);
+      if constexpr (BITS == 2) {
+        *reinterpret_cast<uint16_t*>(cw) = (uint16_t)word;
+      } else if constexpr (BITS == 4) {
+        *reinterpret_cast<uint32_t*>(cw) = (uint32_t)word;
+      } else {
+        *reinterpret_cast<uint2*>(cw) = make_uint2((uint32_t)word, (uint32_t)(word >> 32));
+      }
+    }
   };
-  float mn[NC], mx[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    mn[c] = INFINITY;
-    mx[c] = -INFINITY;
-  }
-  for (int t = t0; t < t1; ++t) {
-    const uint4 v = slab[t ^ sw];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const float xv = xc_of(gk_half(v, c), c);
-      mn[c] = fminf(mn[c], xv);
-      mx[c] = fmaxf(mx[c], xv);
-    }
-  }
-  const int lanes = pl.lanes;
-  if (lanes > 0) {
-    for (int o = 1; o < lanes; o <<= 1) {
-#pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        mn[c] = fminf(mn[c], __shfl_xor_sync(kGkFull, mn[c], o));
-        mx[c] = fmaxf(mx[c], __shfl_xor_sync(kGkFull, mx[c], o));
-      }
-    }
-  } else {  // KCVT: the whole channel is one group
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-#pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        mn[c] = fminf(mn[c], __shfl_xor_sync(kGkFull, mn[c], o));
-        mx[c] = fmaxf(mx[c], __shfl_xor_sync(kGkFull, mx[c], o));
-      }
-    }
-    if (lane == 0) {
-#pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        s_red[warp][c][0] = mn[c];
-        s_red[warp][c][1] = mx[c];
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      float a = s_red[0][c][0], b = s_red[0][c][1];
-      for (int w = 1; w < NT / 32; ++w) {
-        a = fminf(a, s_red[w][c][0]);
-        b = fmaxf(b, s_red[w][c][1]);
-      }
-      mn[c] = a;
-      mx[c] = b;
-    }
-  }
-  if (t0 >= T) return;  // no tokens (after the last block-wide barrier)
-  float qs[NC], qz[NC], qi[NC];
-  {
-    uint16_t s16[NC], z16[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const quant::QParams q = quant::make_qparams(mn[c], mx[c], BITS);
-      qs[c] = q.scale;
-      qz[c] = q.zero;
-      qi[c] = q.inv;
-      s16[c] = q.s16;
-      z16[c] = q.z16;
-    }
-    const int64_t G = p.q.group;
-    const bool writer = lanes > 0 ? (tid % lanes) == 0 : tid == 0;
-    if (writer) {
-      const int64_t si = (n * (p.T / G) + t0 / G) * p.D + s * NC;
-      uint4 sv, zv;
-      sv.x = s16[0] | ((uint32_t)s16[1] << 16);
-      sv.y = s16[2] | ((uint32_t)s16[3] << 16);
-      sv.z = s16[4] | ((uint32_t)s16[5] << 16);
-      sv.w = s16[6] | ((uint32_t)s16[7] << 16);
-      zv.x = z16[0] | ((uint32_t)z16[1] << 16);
-      zv.y = z16[2] | ((uint32_t)z16[3] << 16);
-      zv.z = z16[4] | ((uint32_t)z16[5] << 16);
-      zv.w = z16[6] | ((uint32_t)z16[7] << 16);
-      *reinterpret_cast<uint4*>(p.q.scale + si) = sv;
-      *reinterpret_cast<uint4*>(p.q.zero + si) = zv;
-    }
-  }
-  uint32_t thr_t[NC], thr_b[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    thr_t[c] = k > 0 ? s_thr[0][c] : 0u;
-    thr_b[c] = k > 0 ? s_thr[1][c] : 0u;
-  }
-  constexpr float maxq = (float)((1 << BITS) - 1);
-  uint8_t* codes = reinterpret_cast<uint8_t*>(p.q.codes) + (n * p.T) * (p.D * BITS / 8) + s * BITS;
-  uint16_t* resid = p.resid + (n * p.T) * p.D + s * NC;
-  for (int t = t0; t < t1; ++t) {
-    const uint4 v = slab[t ^ sw];
-    uint64_t word = 0;
-    uint32_t r[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const uint32_t h = gk_half(v, c);
-      const float xv = xc_of(h, c);
-      const uint32_t code = quant::quant_code(xv, qz[c], qi[c], maxq);
-      word |= (uint64_t)code << (c * BITS);
-      // NOTE: code * scale + zero as one FMA, as GearClampQuantResidKernel.
-      const float d = xv - __fmaf_rn((float)code, qs[c], qz[c]);
-      bool zero = !isfinite(d);
-      if (k > 0) {
-        const uint32_t ck = (select::orderable_key16(h) << 16) | (0xffffu - (uint32_t)t);
-        zero = zero || ck >= thr_t[c] || ck <= thr_b[c];
-      }
-      r[c] = __half_as_ushort(__float2half_rn(zero ? 0.f : d));
-    }
-    uint4 o;
-    o.x = r[0] | (r[1] << 16);
-    o.y = r[2] | (r[3] << 16);
-    o.z = r[4] | (r[5] << 16);
-    o.w = r[6] | (r[7] << 16);
-    *reinterpret_cast<uint4*>(resid + (int64_t)t * p.D) = o;
-    uint8_t* cw = codes + (int64_t)t * (p.D * BITS / 8);
-    if constexpr (BITS == 2) {
-      *reinterpret_cast<uint16_t*>(cw) = (uint16_t)word;
-    } else if constexpr (BITS == 4) {
-      *reinterpret_cast<uint32_t*>(cw) = (uint32_t)word;
-    } else {
-      *reinterpret_cast<uint2*>(cw) = make_uint2((uint32_t)word, (uint32_t)(word >> 32));
-    }
-  }
+  if (k > 0)
+    phase5(std::true_type{});
+  else
+    phase5(std::false_type{});
 }
 
 /// \brief Launch GearKeysKernel (pl = gear_keys_plan(...) with pl.ok).

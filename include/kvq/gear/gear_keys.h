@@ -66,7 +66,8 @@ inline GearKeysPlan gear_keys_plan(int64_t N, int64_t T, int64_t D, int64_t G, i
   pl.slots = (int)((T + 7) / 8 * 8);
   const size_t exch = (size_t)2 * kGearKeysChannels * NT * sizeof(uint16_t);  // thread max / min keys
   const size_t buf = (size_t)2 * kGearKeysChannels * cap * sizeof(uint32_t);
-  pl.smem = (size_t)pl.slots * 16 + (exch > buf ? exch : buf);
+  const size_t mask = (size_t)pl.tpt * NT;  // outlier flag bytes (a multiple of 16)
+  pl.smem = (size_t)pl.slots * 16 + mask + (exch > buf ? exch : buf);
   if (pl.smem > 200 * 1024) return pl;
   pl.ok = true;
   return pl;
