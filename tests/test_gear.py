@@ -854,6 +854,23 @@ def test_cuda_gear_values_fused_matches_cpu(dtype, D, bits, G, k):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("bits,G", [(2, 64), (4, 8), (8, -1)])
+def test_cuda_gear_values_fused_k0(dtype, D, bits, G):
+    """GEAR-L (s = 0) values take the fused kernel without selection or clamp; a row with
+    signed zeros at its extremes and, with the check off, a NaN row must still match the CPU."""
+    G = min(G, D)
+    x = kv_like(2, 2, 300, D, seed=D + bits, dtype=dtype)
+    x[0, 1, 7] = 0.0
+    x[0, 1, 7, ::3] = -0.0
+    _check_values_fused(x, bits, G, 0.0)
+    y = x.clone()
+    y[1, 0, 11, 5] = float("nan")
+    _check_values_fused(y, bits, G, 0.0, rank=0, check_finite=False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_cuda_gear_values_fused_ties_and_constant_rows(dtype, k):
     g = torch.Generator().manual_seed(k)

@@ -4,7 +4,8 @@
 // gear.cuh GearClampQuantResid + GearZeroOutliers), with the CPU op's results.  Torch-free.
 //
 // Scope: fp16 / bf16, D in {64, 128, 256}, per-token groups G (power of two, 8 <= G <= D),
-// 1 <= k <= KMAX (2, 4 or 8 by instantiation).  Everything else keeps the old path.
+// 0 <= k <= KMAX (2, 4 or 8 by instantiation; k = 0: GEAR-L, the clamp is skipped, the row
+// min/max rounds still run).  Everything else keeps the old path.
 //
 // Layout: 16 consecutive channels per lane (two 16-byte loads), LPR = D / 16 lanes per row
 // (4, 8, 16), 32 / LPR rows per warp and pass (rows strided over the grid, the next pass's
@@ -48,13 +49,13 @@ namespace kvq {
 namespace gear {
 
 /// \brief Does the fused value-side kernel handle this compress?  (16-bit dtype, per-token
-/// groups, D in {64, 128, 256}, 1 <= k <= 8.)
+/// groups, D in {64, 128, 256}, 0 <= k <= 8; k = 0 is GEAR-L: no selection output, no clamp.)
 inline bool gear_values_supported(const GearParams& p, int dtype_bytes) {
   const int64_t G = p.q.group;
-  return dtype_bytes == 2 && !p.per_channel && p.k >= 1 && p.k <= 8 &&
+  return dtype_bytes == 2 && !p.per_channel && p.k >= 0 && p.k <= 8 &&
          (p.D == 64 || p.D == 128 || p.D == 256) && G >= 8 && G <= p.D && (G & (G - 1)) == 0 &&
          p.D % G == 0 && (p.q.bits == 2 || p.q.bits == 4 || p.q.bits == 8) && p.resid != nullptr &&
-         p.ovalues != nullptr && p.oindices != nullptr;
+         (p.k == 0 || (p.ovalues != nullptr && p.oindices != nullptr));
 }
 
 /// CPU fmaxf / fminf (glibc): x unless y is larger / smaller; a NaN y returns x, a NaN x
@@ -300,7 +301,8 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
 #pragma unroll
       for (int i = 0; i < E; ++i) {
         const float xv = gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu);
-        v[i] = gv_cpu_fmin(gv_cpu_fmax(xv, lo, lo_nan), hi, hi_nan);
+        // k = 0 (GEAR-L): no outliers, no clamp (the CPU op leaves x alone, NaN included)
+        v[i] = k == 0 ? xv : gv_cpu_fmin(gv_cpu_fmax(xv, lo, lo_nan), hi, hi_nan);
       }
       if (check && lane_bad) {  // the exact flags
 #pragma unroll
