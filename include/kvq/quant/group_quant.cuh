@@ -9,7 +9,6 @@
 #pragma once
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "kvq/common/half.h"
