@@ -1312,16 +1312,18 @@ inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
 
 /// \brief Split plan for T tokens of which [0, t_main) (a multiple of kTile) go through an
 /// mma path, BH (batch, KV head) rows, CTAs of `warps` warps, `ctas_per_sm` resident CTAs per
-/// SM of the kernel that will run.  The mma path is sized to whole waves: ns minimises
-/// ceil(ns * BH / slots) / ns.
-inline SplitPlan split_plan(int64_t t_main, int64_t T, int64_t BH, int num_sms, int ctas_per_sm, int warps) {
+/// SM of the kernel that will run, at least `min_tiles` mma tiles per warp.  The mma path is
+/// sized to whole waves: ns minimises ceil(ns * BH / slots) / ns.
+inline SplitPlan split_plan(int64_t t_main, int64_t T, int64_t BH, int num_sms, int ctas_per_sm, int warps,
+                            int min_tiles = 2) {
   SplitPlan plan;
   const int64_t slots = (int64_t)num_sms * (ctas_per_sm > 0 ? ctas_per_sm : 1);
   plan.t_main = t_main;
   const int64_t kStep = (int64_t)warps * kTile;  // tokens per CTA step (one tile per warp)
   if (plan.t_main > 0) {
     const int64_t steps = (plan.t_main + kStep - 1) / kStep;
-    const int64_t max_ns = (steps + 1) / 2 > 0 ? (steps + 1) / 2 : 1;  // >= 2 tiles per warp
+    const int64_t mt = min_tiles > 1 ? min_tiles : 1;
+    const int64_t max_ns = (steps + mt - 1) / mt > 0 ? (steps + mt - 1) / mt : 1;  // >= mt tiles per warp
     int64_t best = 1;
     double best_cost = 1e300;
     // cost ~ waves x (steps per CTA + 2): the +2 charges each CTA's fixed work (q fragments,
@@ -1368,14 +1370,15 @@ inline SplitPlan split_plan(int64_t t_main, int64_t T, int64_t BH, int num_sms, 
 }
 
 /// \brief Split plan of the group-quantized kernels (see split_plan).
-inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, int ctas_per_sm) {
+inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, int ctas_per_sm,
+                                       int min_tiles = 2) {
   int64_t t_main = 0;
   if (decode_attention_mma_ok(p)) {
     int64_t tq = p.k.Tq < p.v.Tq ? p.k.Tq : p.v.Tq;
     if (tq > p.T) tq = p.T;
     t_main = (tq / kTile) * kTile;
   }
-  return split_plan(t_main, p.T, p.B * p.H, num_sms, ctas_per_sm, kWarps);
+  return split_plan(t_main, p.T, p.B * p.H, num_sms, ctas_per_sm, kWarps, min_tiles);
 }
 
 template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int NGV = 0>
