@@ -21,6 +21,7 @@ def main(argv=None):
     ap.add_argument("--shape", type=int, nargs=4, default=[8, 8, 4096, 128])
     ap.add_argument("--presets", nargs="+", default=["gear-2", "gearl-2"])
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--compact", action="store_true", help="one line per kernel (GPU µs per call)")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     x = torch.randn(*args.shape, device="cuda", dtype=torch.float16)
@@ -35,7 +36,7 @@ def main(argv=None):
     fns["kivi quantize values G=64"] = lambda: kvq.quantize(x, 2, 64, False, check_finite=False)
     for label, fn in fns.items():
         print(f"\n### {label} {tuple(args.shape)} ({args.calls} calls; per-call us = total / {args.calls})")
-        print(kernel_table(fn, calls=args.calls, rows=12))
+        print(kernel_table(fn, calls=args.calls, rows=12, compact=args.compact))
 
 
 if __name__ == "__main__":

@@ -86,9 +86,10 @@ def table(rows, headers) -> str:
     return "\n".join(out)
 
 
-def kernel_table(fn: Callable[[], object], calls: int = 10, rows: int = 10) -> str:
+def kernel_table(fn: Callable[[], object], calls: int = 10, rows: int = 10, compact: bool = False) -> str:
     """torch.profiler table of the CUDA kernels that ``calls`` calls of ``fn`` launch (after
-    two warm-up calls), sorted by total GPU time."""
+    two warm-up calls), sorted by total GPU time; ``compact``: one line per kernel with its
+    GPU time per call (µs) and the sum."""
     from torch.profiler import ProfilerActivity, profile
     for _ in range(2):
         fn()
@@ -97,5 +98,11 @@ def kernel_table(fn: Callable[[], object], calls: int = 10, rows: int = 10) -> s
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    if compact:
+        ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ev.sort(key=lambda e: -e.self_device_time_total)
+        lines = [f"  {e.self_device_time_total / calls:8.1f} us  {e.key[:90]}" for e in ev[:rows]]
+        lines.append(f"  {sum(e.self_device_time_total for e in ev) / calls:8.1f} us  total per call")
+        return "\n".join(lines)
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
 
