@@ -186,9 +186,13 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
     const int rows = gear::gear_cqr_rows(T, D, Gr, per_channel);
     c.cqr = cuda && !small && N > 0 && N <= 65535 && rows > 0 && (!per_channel || T % rows == 0);
   }
-  // CUDA, long fp16 / bf16 key matrices: one fused kernel (gear_keys.h), no xc / keys_ws.
+  // CUDA, long fp16 / bf16 key matrices: one fused kernel (gear_keys.h), no xc / keys_ws;
+  // KIVI grouping (plan.split): selection kernel (k > 0) + coalesced quantize / residual
+  // kernel, exchanging per-channel bounds and thresholds through keys_sel.
   if (cuda && !small && per_channel && c.x.element_size() == 2 && select::index_bytes(T) == 2)
     c.keys = gear::gear_keys_plan(N, T, D, group_size == -1 ? T : group_size, c.k);
+  if (c.keys.ok && c.keys.split && c.k > 0)
+    c.keys_sel = at::empty({gear::gear_keys_sel_words(N, D)}, c.x.options().dtype(at::kInt));
   c.sel = prepare_outlier_select(c.x, c.k, per_channel, /*want_bounds=*/c.k > 0 && !small, op);
   if (check_finite) c.status = at::zeros({1}, c.x.options().dtype(at::kInt));
   if (c.k > 0 && !small && !c.keys.ok) {
@@ -257,6 +261,7 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
   g.k = c.k;
   g.rank = (int)rank;
   g.per_channel = per_channel;
+  g.keys_sel = c.keys_sel.defined() ? reinterpret_cast<uint32_t*>(c.keys_sel.data_ptr()) : nullptr;
   return c;
 }
 

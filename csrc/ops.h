@@ -100,7 +100,7 @@ struct PowerIterCall {
 PowerIterCall prepare_power_iter(const at::Tensor& x, int64_t rank, int64_t iters, int64_t seed,
                                  bool want_ws, const char* op);
 struct GearCompressCall {
-  at::Tensor x, xc, keys_ws, resid, status, A, B;
+  at::Tensor x, xc, keys_ws, keys_sel, resid, status, A, B;
   OutlierSelectCall sel;
   QuantizeCall quant;
   PowerIterCall pi;

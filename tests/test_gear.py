@@ -775,25 +775,30 @@ def _bits16(t):
     return t.view(torch.int16) if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def _value_residual_fma(x, out, bits):
+def _residual_fma(x, out, bits, per_channel=False):
     """fp16 residual of the long CUDA path: xc - fma(code, scale, zero) (the double product
     and sum are exact, so one rounding to float equals the FMA), 0 at outliers / non-finite;
-    xc clamps with the CPU's fmaxf / fminf tie rule (the first operand wins)."""
+    xc clamps each vector (per_channel: a channel along T) into [min, max] of its non-outliers
+    with the CPU's fmaxf / fminf tie rule (the first operand wins)."""
     codes, scale, zero, ov, oi = out[:5]
     xf = x.float()
-    D = x.shape[-1]
-    mask = torch.zeros_like(xf, dtype=torch.bool)
-    mask.scatter_(-1, oi.long(), True)
-    lo = xf.masked_fill(mask, float("inf")).amin(-1, keepdim=True)
-    hi = xf.masked_fill(mask, float("-inf")).amax(-1, keepdim=True)
-    xc = torch.where(xf >= lo, xf, lo)
-    xc = torch.where(xc <= hi, xc, hi)
+    ax = -2 if per_channel else -1  # vectors and quantization groups run along this axis
+    mask = torch.zeros_like(xf.mT if per_channel else xf, dtype=torch.bool)
+    if oi.numel():
+        mask.scatter_(-1, oi.long(), True)
+    mask = mask.mT if per_channel else mask
+    xc = xf
+    if oi.numel():
+        lo = xf.masked_fill(mask, float("inf")).amin(ax, keepdim=True)
+        hi = xf.masked_fill(mask, float("-inf")).amax(ax, keepdim=True)
+        xc = torch.where(xf >= lo, xf, lo)
+        xc = torch.where(xc <= hi, xc, hi)
     cpw = 32 // bits
     w = codes.long() & 0xFFFFFFFF
     q = ((w.unsqueeze(-1) >> (torch.arange(cpw) * bits)) & ((1 << bits) - 1)).flatten(-2)
-    G = D // scale.shape[-1]
-    s = scale.float().double().repeat_interleave(G, -1)
-    z = zero.float().double().repeat_interleave(G, -1)
+    G = x.shape[ax] // scale.shape[ax]
+    s = scale.float().double().repeat_interleave(G, ax)
+    z = zero.float().double().repeat_interleave(G, ax)
     deq = (q.double() * s + z).float()
     d = xc - deq
     return torch.where(d.isfinite() & ~mask, d, 0.0).half()
@@ -809,7 +814,7 @@ def _check_values_fused(x, bits, G, s, rank=2, check_finite=True, nan_values=Fal
             continue
         assert torch.equal(_bits16(b), _bits16(a)), name
     if rank > 0:
-        R = _value_residual_fma(x, out1, bits)
+        R = _residual_fma(x, out1, bits)
         A, B = kvq.lowrank_power_iter(R.cuda(), rank, 3, 0)
         assert torch.equal(_bits16(out1[5]), _bits16(A.cpu())), "A (residual)"
         assert torch.equal(_bits16(out1[6]), _bits16(B.cpu())), "B (residual)"
@@ -987,6 +992,9 @@ def test_cuda_gear_values_fused_bench_shape():
     (4096, 128, 2, 64, 0.002),   # k = 5
     (2048, 128, 2, 128, 0.0),    # k = 0: quantize + residual only
     (4096, 128, 2, 4096, 0.02),  # G = T given explicitly
+    (4096, 128, 2, 128, 0.02),   # split path, 256-thread quantize blocks
+    (8192, 128, 2, 16, 0.02),    # split path, G = 16 < T / 256 (selection: 32 tokens per thread)
+    (2048, 256, 4, 64, 0.01),    # split path, D = 256 (512-thread quantize blocks)
 ])
 def test_cuda_gear_keys_fused_matches_cpu(dtype, T, D, bits, G, s):
     x = kv_like(1, 2, T, D, seed=T + D + bits, dtype=dtype)
@@ -1030,3 +1038,80 @@ def test_cuda_gear_keys_fused_nonfinite(dtype):
         big[0, 0, 5, 5] = 1e5
         with pytest.raises(RuntimeError):
             kvq.gear_compress(big.cuda(), 2, 64, True, 0.02, 2)
+
+
+# ============================================================================ split key path
+# KIVI grouping (G < T, gear_keys.h plan.split): the selection-only GearKeysKernel (k > 0)
+# writes per-channel bounds / thresholds, GearKeysQuantResidKernel clamps, quantizes and writes
+# the residual; k = 0 runs only the latter.  The residual must equal the fused kernel's bit for
+# bit; it is checked exactly through the factors (A, B == power iteration of the residual
+# rebuilt here), on split shapes and, as a control for the reference itself, on G = T shapes
+# that still run the fused kernel.
+def _check_keys_exact(x, bits, G, s, rank=2, check_finite=True):
+    out0, out1 = _check_keys_fused(x, bits, G, s, rank=0, check_finite=check_finite)
+    if rank > 0:
+        out1 = [t.cpu() for t in kvq.gear_compress(x.cuda(), bits, G, True, s, rank,
+                                                    check_finite=check_finite)]
+        R = _residual_fma(x, out1, bits, per_channel=True)
+        A, B = kvq.lowrank_power_iter(R.cuda(), rank, 3, 0)
+        assert torch.equal(_bits16(out1[5]), _bits16(A.cpu())), "A (residual)"
+        assert torch.equal(_bits16(out1[6]), _bits16(B.cpu())), "B (residual)"
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", KEY16_DTYPES)
+@pytest.mark.parametrize("T,D,bits,G,s", [
+    (4096, 128, 2, 64, 0.02),    # split (k = 41)
+    (4096, 128, 2, 32, 0.0),     # split, k = 0 (quantize kernel only)
+    (1024, 64, 4, 128, 0.05),    # split
+    (320, 256, 8, 32, 0.02),     # split, D = 256, 8-bit
+    (4096, 128, 2, -1, 0.02),    # control: fused kernel (KCVT)
+    (2048, 64, 2, -1, 0.0),      # control: fused kernel, k = 0
+])
+def test_cuda_gear_keys_split_residual_exact(dtype, T, D, bits, G, s):
+    x = kv_like(2, 2, T, D, seed=T + bits, dtype=dtype)
+    _check_keys_exact(x, bits, G, s)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", KEY16_DTYPES)
+@pytest.mark.parametrize("bits,G", [(2, 32), (4, 64), (8, 128)])
+def test_cuda_gear_keys_split_k0(dtype, bits, G):
+    """GEAR-L keys (s = 0) on the split path: only the quantize kernel runs (no clamp, no
+    outlier test).  Channels with signed zeros at their group extremes; with the check off
+    NaN / Inf entries; with it on, NaN raises."""
+    x = kv_like(1, 2, 1024, 128, seed=G + bits, dtype=dtype)
+    x[0, 0, :, 3] = x[0, 0, :, 3].abs()
+    x[0, 0, 5, 3] = -0.0                                # group minimum -0 (and +0 below)
+    x[0, 0, 9, 3] = 0.0
+    x[0, 1, :, 6] = -x[0, 1, :, 6].abs()
+    x[0, 1, 40, 6] = 0.0                                # group maximum +0 / -0
+    x[0, 1, 41, 6] = -0.0
+    x[0, 1, 64:96, 10] = -0.0                           # a group of zeros of both signs
+    x[0, 1, 64:96:3, 10] = 0.0
+    _check_keys_exact(x, bits, G, 0.0)
+    bad = x.clone()
+    bad[0, 0, 11, 5] = float("nan")
+    bad[0, 1, 300, 7] = float("inf")
+    bad[0, 1, 500, 8] = -float("inf")
+    bad[0, 0, 640:640 + G, 9] = float("nan")           # an all-NaN group (640 % G == 0)
+    with pytest.raises(RuntimeError, match="NaN"):
+        kvq.gear_compress(bad.cuda(), bits, G, True, 0.0, 2)
+    _check_keys_fused(bad, bits, G, 0.0, rank=0, check_finite=False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", KEY16_DTYPES)
+def test_cuda_gear_keys_split_nonfinite_bounds(dtype):
+    """k > 0 on the split path with non-finite values among the outliers and, in one channel,
+    more NaNs than k (NaN clamp bound): the selection kernel's finite check raises; with the
+    check off every output still equals the CPU op's."""
+    x = kv_like(1, 2, 2048, 128, seed=7, dtype=dtype)
+    x[0, 0, 3, 5] = float("nan")
+    x[0, 1, 9, 9] = float("inf")
+    x[0, 1, 1000, 12] = -float("inf")
+    x[0, 0, 100:200, 20] = float("nan")                 # 100 NaNs > k = 11: hi is NaN
+    with pytest.raises(RuntimeError, match="NaN"):
+        kvq.gear_compress(x.cuda(), 2, 64, True, 0.01, 2)
+    _check_keys_fused(x, 2, 64, 0.01, rank=0, check_finite=False)
+    _check_keys_fused(x, 4, 32, 0.01, rank=0, check_finite=False)

@@ -40,6 +40,9 @@ struct GearParams {
   int64_t N = 0, T = 0, D = 0, k = 0;
   int rank = 0;
   bool per_channel = false;
+  // CUDA key split path (gear_keys.h, plan.split with k > 0): [N][4][D] per (matrix, channel)
+  // lo, hi (float bits) and the composite outlier thresholds thr_top, thr_bot
+  uint32_t* keys_sel = nullptr;
 };
 
 /// \brief One fused compress launch for short matrices (decode blocks, T <= 256): one CTA

@@ -48,12 +48,14 @@ __device__ __forceinline__ uint32_t gk_val_bits(uint32_t kk, int side) {
   return select::key16_to_bits(side == 0 ? (kk >> 16) : ((~kk) >> 16));
 }
 
-/// \brief kth-largest (kth >= 1, kth <= n) of n 32-bit keys key_at(0..n) by a bitwise
-/// search (32 warp-wide counting passes).  Warp-uniform arguments; result in every lane.
-template <class F>
+/// \brief kth-largest (kth >= 1, kth <= n) of n NBITS-bit keys key_at(0..n) (every key
+/// < 2^NBITS) by a bitwise search (NBITS warp-wide counting passes).  Warp-uniform
+/// arguments; result in every lane.
+template <int NBITS = 32, class F>
 __device__ __forceinline__ uint32_t gk_kth_largest(const F& key_at, int n, int kth, int lane) {
+  static_assert(NBITS >= 1 && NBITS <= 32, "key width");
   uint32_t ans = 0;
-  for (int b = 31; b >= 0; --b) {
+  for (int b = NBITS - 1; b >= 0; --b) {
     const uint32_t cand = ans | (1u << b);
     int cnt = 0;
     for (int i = lane; i < n; i += 32) cnt += key_at(i) >= cand ? 1 : 0;
@@ -76,7 +78,9 @@ __device__ __forceinline__ uint32_t gk_min_above(const F& key_at, int n, uint32_
 /// \brief One CTA per (slab of 8 channels, matrix): grid (D / 8, N), 256 threads.
 /// Writes outlier values / indices (p.ovalues / p.oindices, int16), codes / scale / zero
 /// (p.q), the fp16 residual p.resid (0 at outliers and where non-finite) and p.status.
-template <typename DType, int BITS>
+/// SEL (split path, k > 0 only): steps 1-4 only; instead of step 5 it writes p.keys_sel
+/// (lo, hi, thr_top, thr_bot per channel) for GearKeysQuantResidKernel; no outlier mask.
+template <typename DType, int BITS, bool SEL = false>
 __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams p, GearKeysPlan pl) {
   constexpr int NT = kGearKeysThreads, NC = kGearKeysChannels;
   static_assert(sizeof(DType) == 2, "16-bit dtypes only");
@@ -84,9 +88,10 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   uint4* slab = gk_smem;                                                  // [slots]
   // outlier flags: byte j * NT + i = channel bits of token i * tpt + j (thread-major: the
   // final loop's byte reads are conflict-free)
-  uint32_t* omask = reinterpret_cast<uint32_t*>(gk_smem + pl.slots);       // [tpt * NT] bytes
-  uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots + pl.tpt * (NT / 16));  // [2][NC][NT]
-  uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots + pl.tpt * (NT / 16));   // [2][NC][cap] (aliases exch)
+  uint32_t* omask = reinterpret_cast<uint32_t*>(gk_smem + pl.slots);       // [tpt * NT] bytes (not SEL)
+  const int mask_u4 = SEL ? 0 : pl.tpt * (NT / 16);
+  uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots + mask_u4);  // [2][NC][NT]
+  uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots + mask_u4);   // [2][NC][cap] (aliases exch)
   __shared__ int s_cnt[2][NC];
   __shared__ uint32_t s_tau[2][NC];   // candidate thresholds on the 16-bit keys
   __shared__ uint32_t s_thr[2][NC];   // outlier iff ck >= s_thr[0][c] or ck <= s_thr[1][c]
@@ -104,7 +109,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   const uint4* xg = reinterpret_cast<const uint4*>(static_cast<const DType*>(p.x) + n * p.T * p.D + s * NC);
   const int rstride = D / NC;  // uint4 per token row of x
   if (tid < 2 * NC) (&s_cnt[0][0])[tid] = 0;
-  if (p.k > 0)
+  if (!SEL && p.k > 0)
     for (int i = tid; i < tpt * (NT / 4); i += NT) omask[i] = 0u;  // barriers follow before use
 
   // ---- 1. load the slab once (cp.async: all of the thread's rows in flight at once, no
@@ -167,8 +172,8 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
       const uint16_t* em = exch + (0 * NC + c) * NT;
       const uint16_t* en = exch + (1 * NC + c) * NT;
       // at least kt thread maxima are >= tau_top, hence at least kt entries (bottom alike)
-      const uint32_t tt = gk_kth_largest([&](int i) { return (uint32_t)em[i]; }, NT, kt, lane);
-      const uint32_t tb = 0xffffu - gk_kth_largest([&](int i) { return 0xffffu - (uint32_t)en[i]; }, NT, kt, lane);
+      const uint32_t tt = gk_kth_largest<16>([&](int i) { return (uint32_t)em[i]; }, NT, kt, lane);
+      const uint32_t tb = 0xffffu - gk_kth_largest<16>([&](int i) { return 0xffffu - (uint32_t)en[i]; }, NT, kt, lane);
       __syncwarp();
       if (lane == 0) {
         s_tau[0][c] = tt;
@@ -214,8 +219,10 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
     {
       const int c = warp;
       auto mark = [&](int t) {  // token t of channel c is an outlier
-        const int o = t / tpt, b = (t - o * tpt) * NT + o;
-        atomicOr(&omask[b >> 2], 1u << ((b & 3) * 8 + c));
+        if constexpr (!SEL) {
+          const int o = t / tpt, b = (t - o * tpt) * NT + o;
+          atomicOr(&omask[b >> 2], 1u << ((b & 3) * 8 + c));
+        }
       };
       const int64_t vbase = (n * p.D + s * NC + c) * 2 * (int64_t)k;
       const unsigned below = (1u << lane) - 1u;
@@ -269,7 +276,11 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
         if (lane == 0) {
           DType bv;
           bv.bits = (uint16_t)gk_val_bits(Kkt, side);
-          if (side == 0) {
+          if constexpr (SEL) {  // [N][4][D]: lo, hi, thr_top, thr_bot
+            uint32_t* ws = p.keys_sel + n * 4 * p.D + s * NC + c;
+            ws[(1 - side) * p.D] = __float_as_uint(to_float(bv));
+            ws[(2 + side) * p.D] = side == 0 ? Kk : ~Kk;
+          } else if (side == 0) {
             s_hi[c] = to_float(bv);
             s_thr[0][c] = Kk;
           } else {
@@ -281,6 +292,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
     }
     __syncthreads();
   }
+  if constexpr (SEL) return;  // step 5: GearKeysQuantResidKernel
 
   // ---- 5. clamp + per-channel group quantization + residual
   // (compiled twice: with and without outliers, so the k == 0 path carries no clamp / outlier
@@ -426,14 +438,151 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
     phase5(std::false_type{});
 }
 
-/// \brief Launch GearKeysKernel (pl = gear_keys_plan(...) with pl.ok).
+/// \brief Split path, step 5: clamp + per-channel group quantization + fp16 residual, one
+/// block per group of G = kGearKeysQuantTokens * (blockDim.x / CPL) tokens of one matrix x
+/// all D channels (the layout of quant::GroupQuantizePerChannelTileKernel: thread (s, kq)
+/// holds channels kq * 8.. of tokens s + i S in registers; coalesced 16-byte loads and
+/// residual stores).  HK (k > 0): per element xc = DType(clamp(x, lo, hi)) with the bounds of
+/// p.keys_sel (GearKeysKernel<.., true>), residual 0 at the outliers: ck >= thr_top or
+/// ck <= thr_bot with ck = orderable_key16(x) << 16 | (0xffff - t) of the RAW value; the
+/// finite check of x was done by the selection kernel.  !HK (k == 0): xc = x and the finite
+/// check here.  Min / max, qparams and codes by the tile kernel's helpers (RawMinMax,
+/// tile_group_qparams, quantize_pack: bit-identical to make_qparams / quant_code on xc), the
+/// residual xc - fma(code, scale, zero) as GearKeysKernel's step 5 (0 where non-finite).
+template <typename DType, int D, int BITS, bool HK>
+__global__ void __launch_bounds__(512) GearKeysQuantResidKernel(GearParams p) {
+  constexpr int TPT = kGearKeysQuantTokens, VE = 8, CPL = D / VE, W = D * BITS / 32;
+  static_assert(sizeof(DType) == 2 && TPT == quant::kTileTokensPerThread, "16-bit tile layout");
+  extern __shared__ __align__(16) unsigned char gkq_smem[];
+  const int S = blockDim.x / CPL;  // token slices
+  const int kq = threadIdx.x % CPL, s = threadIdx.x / CPL;
+  const int64_t grp = blockIdx.x;  // n * (T / G) + g; its rows are [grp * G, grp * G + G)
+  const int G = S * TPT;
+  const int64_t n = grp / (p.T / G);
+  const uint4* src = reinterpret_cast<const uint4*>(p.x) + (grp * G + s) * CPL + kq;
+  uint4 raw[TPT];
+#pragma unroll
+  for (int i = 0; i < TPT; ++i) raw[i] = __ldcs(src + (int64_t)i * S * CPL);  // token s + i S
+  uint32_t om[TPT / 4] = {};  // outlier bits: token i, channel c -> word i / 4, bit (i % 4) * 8 + c
+  if constexpr (HK) {
+    const uint32_t* ws = p.keys_sel + n * 4 * D + kq * VE;
+    float lo[VE], hi[VE];
+    uint32_t tt[VE], tb[VE];
+#pragma unroll
+    for (int c = 0; c < VE; c += 4) {
+      const uint4 a = *reinterpret_cast<const uint4*>(ws + c);
+      const uint4 b = *reinterpret_cast<const uint4*>(ws + D + c);
+      const uint4 e = *reinterpret_cast<const uint4*>(ws + 2 * D + c);
+      const uint4 f = *reinterpret_cast<const uint4*>(ws + 3 * D + c);
+      lo[c] = __uint_as_float(a.x), lo[c + 1] = __uint_as_float(a.y), lo[c + 2] = __uint_as_float(a.z), lo[c + 3] = __uint_as_float(a.w);
+      hi[c] = __uint_as_float(b.x), hi[c + 1] = __uint_as_float(b.y), hi[c + 2] = __uint_as_float(b.z), hi[c + 3] = __uint_as_float(b.w);
+      tt[c] = e.x, tt[c + 1] = e.y, tt[c + 2] = e.z, tt[c + 3] = e.w;
+      tb[c] = f.x, tb[c + 1] = f.y, tb[c + 2] = f.z, tb[c + 3] = f.w;
+    }
+    const uint32_t t0 = (uint32_t)(grp * G - n * p.T) + (uint32_t)s;  // token of raw[0] in its matrix
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      const uint32_t tlow = 0xffffu - (t0 + (uint32_t)(i * S));
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint32_t x2 = gk_word(raw[i], j), k2 = gk_keys2(x2);
+        uint32_t o2 = 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int c = 2 * j + h;
+          const uint32_t ck = (((k2 >> (16 * h)) & 0xffffu) << 16) | tlow;
+          if (ck >= tt[c] || ck <= tb[c]) om[i / 4] |= 1u << ((i % 4) * 8 + c);
+          DType d;
+          d.bits = (uint16_t)(x2 >> (16 * h));
+          // NOTE: exactly GearKeysKernel's xc_of (fmaxf / fminf tie rule, rounding through DType).
+          const uint32_t xb = from_float<DType>(fminf(fmaxf(to_float(d), lo[c]), hi[c])).bits;
+          o2 |= xb << (16 * h);
+        }
+        w[j] = o2;
+      }
+      raw[i] = make_uint4(w[0], w[1], w[2], w[3]);  // xc from here on
+    }
+  }
+  quant::RawMinMax<DType> mm;
+  mm.init();
+#pragma unroll
+  for (int i = 0; i < TPT; ++i) mm.update(raw[i]);
+  const float* qp = quant::tile_group_qparams<DType, D, BITS, true>(mm, S, gkq_smem, p.q.scale + grp * D,
+                                                                    p.q.zero + grp * D);
+  float z[VE], inv[VE], sc[VE];
+  quant::load_qp<VE>(qp, qp + D, kq, z, inv);
+#pragma unroll
+  for (int c = 0; c < VE; c += 4) {
+    const float4 a = *reinterpret_cast<const float4*>(qp + 2 * D + kq * VE + c);
+    sc[c] = a.x, sc[c + 1] = a.y, sc[c + 2] = a.z, sc[c + 3] = a.w;
+  }
+  const bool check = !HK && p.status != nullptr;
+  int32_t status = 0;
+  int32_t* codes = p.q.codes + (grp * G + s) * W;
+  uint4* resid = reinterpret_cast<uint4*>(p.resid) + (grp * G + s) * CPL + kq;
+#pragma unroll
+  for (int i = 0; i < TPT; ++i) {
+    uint32_t w[quant::PackShape<DType, BITS>::NW];
+    quant::quantize_pack<DType, BITS>(raw[i], z, inv, check, status, w);
+    quant::store_packed<DType, BITS>(w, codes + (int64_t)i * S * W, kq);
+    uint32_t r[VE];
+#pragma unroll
+    for (int c = 0; c < VE; ++c) {
+      DType h;
+      h.bits = (uint16_t)gk_half(raw[i], c);
+      const float xv = to_float(h);
+      const uint32_t code = quant::packed_code<DType, BITS>(w, c);
+      // NOTE: code * scale + zero as one FMA, as GearKeysKernel's step 5.
+      const float d = xv - __fmaf_rn((float)code, sc[c], z[c]);
+      bool zero = !isfinite(d);
+      if constexpr (HK) zero = zero || ((om[i / 4] >> ((i % 4) * 8 + c)) & 1u);
+      r[c] = __half_as_ushort(__float2half_rn(zero ? 0.f : d));
+    }
+    resid[(int64_t)i * S * CPL] = make_uint4(r[0] | (r[1] << 16), r[2] | (r[3] << 16), r[4] | (r[5] << 16),
+                                             r[6] | (r[7] << 16));
+  }
+  if (check) quant::report_status(p.status, status);
+}
+
+template <typename DType, int BITS, int D>
+cudaError_t GearKeysLaunchQuantResid(const GearParams& p, const GearKeysPlan& pl, cudaStream_t stream) {
+  const unsigned blocks = (unsigned)(p.N * p.T / p.q.group);
+  const size_t smem = 2 * (size_t)pl.qthreads * 16 + 3 * D * sizeof(float);
+  if (p.k > 0)
+    GearKeysQuantResidKernel<DType, D, BITS, true><<<blocks, pl.qthreads, smem, stream>>>(p);
+  else
+    GearKeysQuantResidKernel<DType, D, BITS, false><<<blocks, pl.qthreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+/// \brief Launch GearKeysKernel (pl = gear_keys_plan(...) with pl.ok); pl.split: the
+/// selection-only GearKeysKernel (k > 0, needs p.keys_sel) + GearKeysQuantResidKernel.
 template <typename DType, int BITS>
 cudaError_t GearKeysCompress(const GearParams& p, const GearKeysPlan& pl, cudaStream_t stream) {
   if (!pl.ok) return cudaErrorInvalidValue;
+  const dim3 grid((unsigned)(p.D / kGearKeysChannels), (unsigned)p.N);
+  if (pl.split) {
+    if (p.k > 0) {
+      if (p.keys_sel == nullptr) return cudaErrorInvalidValue;
+      static const cudaError_t attr = cudaFuncSetAttribute(
+          GearKeysKernel<DType, BITS, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
+      if (attr != cudaSuccess) return attr;
+      GearKeysKernel<DType, BITS, true><<<grid, kGearKeysThreads, pl.smem, stream>>>(p, pl);
+      const cudaError_t e = cudaGetLastError();
+      if (e != cudaSuccess) return e;
+    }
+    switch (p.D) {
+      case 32: return GearKeysLaunchQuantResid<DType, BITS, 32>(p, pl, stream);
+      case 64: return GearKeysLaunchQuantResid<DType, BITS, 64>(p, pl, stream);
+      case 128: return GearKeysLaunchQuantResid<DType, BITS, 128>(p, pl, stream);
+      case 256: return GearKeysLaunchQuantResid<DType, BITS, 256>(p, pl, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   static const cudaError_t attr = cudaFuncSetAttribute(
       GearKeysKernel<DType, BITS>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
   if (attr != cudaSuccess) return attr;
-  const dim3 grid((unsigned)(p.D / kGearKeysChannels), (unsigned)p.N);
   GearKeysKernel<DType, BITS><<<grid, kGearKeysThreads, pl.smem, stream>>>(p, pl);
   return cudaGetLastError();
 }

@@ -13,6 +13,12 @@
 //      among them by a bitwise search and writes the k selected entries in index order;
 //      a buffer overflow (many ties at tau) falls back to the same search over the whole
 //      channel (exact, slower).
+// Split path (plan.split: KIVI grouping G < T where the per-channel tile layout applies):
+// the kernel above runs steps 1-4 only and writes per (matrix, channel) lo, hi and the two
+// composite thresholds to a workspace (GearParams::keys_sel, [N][4][D] 32-bit words); a
+// second, coalesced kernel (one block per group of G tokens x all D channels, tokens in
+// registers, as the KIVI tile kernel) clamps, quantizes and writes the fp16 residual.
+// k == 0 (GEAR-L): only the second kernel (no clamp, no outlier test).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -28,7 +34,14 @@ struct GearKeysPlan {
   int cap = 0;       // candidate buffer entries per (channel, side)
   int slots = 0;     // 16-byte slab rows in shared memory (T rounded up to 8)
   size_t smem = 0;   // dynamic shared memory bytes
+  bool split = false;  // selection-only kernel (k > 0) + GearKeysQuantResidKernel
+  int qthreads = 0;    // split: threads per block of GearKeysQuantResidKernel
 };
+
+/// Tokens per thread of GearKeysQuantResidKernel (= quant::kTileTokensPerThread).
+constexpr int kGearKeysQuantTokens = 8;
+/// Words of the split path's selection workspace (GearParams::keys_sel).
+inline int64_t gear_keys_sel_words(int64_t N, int64_t D) { return N * 4 * D; }
 
 constexpr int kGearKeysThreads = 256;
 constexpr int kGearKeysChannels = 8;  // channels per CTA (one 16-byte chunk of a token row)
@@ -43,7 +56,19 @@ inline GearKeysPlan gear_keys_plan(int64_t N, int64_t T, int64_t D, int64_t G, i
       G <= 0 || T % G != 0 || k < 0 || 2 * k >= T)
     return pl;
   const int64_t min_tpt = (T + NT - 1) / NT;
-  if (G == T) {
+  // split: G < T and the tile layout (G / 8 token slices x D / 8 lanes, whole warps, <= 512
+  // threads); the selection then needs no group alignment: tpt = min_tpt
+  if (G < T && G % kGearKeysQuantTokens == 0) {
+    const int64_t qt = G / kGearKeysQuantTokens * (D / 8);
+    if (qt >= 32 && qt <= 512 && qt % 32 == 0 && (D == 32 || D == 64 || D == 128 || D == 256)) {
+      pl.split = true;
+      pl.qthreads = (int)qt;
+    }
+  }
+  if (pl.split) {
+    pl.tpt = (int)min_tpt;
+    pl.lanes = 0;  // unused: the selection kernel quantizes nothing
+  } else if (G == T) {
     pl.tpt = (int)min_tpt;
     pl.lanes = 0;
   } else {
@@ -66,7 +91,7 @@ inline GearKeysPlan gear_keys_plan(int64_t N, int64_t T, int64_t D, int64_t G, i
   pl.slots = (int)((T + 7) / 8 * 8);
   const size_t exch = (size_t)2 * kGearKeysChannels * NT * sizeof(uint16_t);  // thread max / min keys
   const size_t buf = (size_t)2 * kGearKeysChannels * cap * sizeof(uint32_t);
-  const size_t mask = (size_t)pl.tpt * NT;  // outlier flag bytes (a multiple of 16)
+  const size_t mask = pl.split ? 0 : (size_t)pl.tpt * NT;  // outlier flag bytes (a multiple of 16)
   pl.smem = (size_t)pl.slots * 16 + mask + (exch > buf ? exch : buf);
   if (pl.smem > 200 * 1024) return pl;
   pl.ok = true;

@@ -517,17 +517,24 @@ struct RawMinMax {
 };
 
 
-/// \brief Quantize the VE values of one 16-byte load and store their VE * BITS packed bits at
-/// byte offset k * VE * BITS / 8 of the codes row (LSB-first, little-endian).
+/// \brief Packing shape of one 16-byte load of DType at BITS bits: VE codes in NW 32-bit
+/// accumulators of PER_W codes each (LSB-first).
 template <typename DType, int BITS>
-__device__ __forceinline__ void quantize_pack_store(const uint4& raw, const float* z,
-                                                    const float* inv, int32_t* row, int k,
-                                                    bool check, int32_t& status) {
-  constexpr int VE = 16 / (int)sizeof(DType);
-  constexpr int LANE_BITS = VE * BITS;
-  constexpr int CPW = 32 / BITS;
-  constexpr int NW = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;  // 32-bit accumulators
-  constexpr int PER_W = VE < CPW ? VE : CPW;                 // codes per accumulator
+struct PackShape {
+  static constexpr int VE = 16 / (int)sizeof(DType);
+  static constexpr int LANE_BITS = VE * BITS;
+  static constexpr int CPW = 32 / BITS;
+  static constexpr int NW = LANE_BITS >= 32 ? LANE_BITS / 32 : 1;  // 32-bit accumulators
+  static constexpr int PER_W = VE < CPW ? VE : CPW;                 // codes per accumulator
+};
+
+/// \brief Codes of the VE values of one 16-byte load, packed into w (PackShape layout).
+template <typename DType, int BITS>
+__device__ __forceinline__ void quantize_pack(const uint4& raw, const float* z, const float* inv,
+                                              bool check, int32_t& status,
+                                              uint32_t (&w)[PackShape<DType, BITS>::NW]) {
+  using PS = PackShape<DType, BITS>;
+  constexpr int VE = PS::VE, NW = PS::NW, PER_W = PS::PER_W;
   const DType* e = reinterpret_cast<const DType*>(&raw);
   float v[VE];
 #pragma unroll
@@ -536,7 +543,6 @@ __device__ __forceinline__ void quantize_pack_store(const uint4& raw, const floa
 #pragma unroll
     for (int i = 0; i < VE; ++i) status |= value_status(v[i]);
   }
-  uint32_t w[NW];
 #pragma unroll
   for (int i = 0; i < VE; ++i) {
     const float q = fmaxf((v[i] - z[i]) * inv[i], 0.f);
@@ -546,6 +552,20 @@ __device__ __forceinline__ void quantize_pack_store(const uint4& raw, const floa
   }
 #pragma unroll
   for (int j = 0; j < NW; ++j) w[j] -= magic_word_sum<BITS>(PER_W);
+}
+
+/// \brief Code i (0 <= i < VE) of words packed by quantize_pack.
+template <typename DType, int BITS>
+__device__ __forceinline__ uint32_t packed_code(const uint32_t (&w)[PackShape<DType, BITS>::NW], int i) {
+  using PS = PackShape<DType, BITS>;
+  return (w[i / PS::PER_W] >> ((i % PS::PER_W) * BITS)) & ((1u << BITS) - 1u);
+}
+
+/// \brief Store the VE * BITS packed bits of w at byte offset k * VE * BITS / 8 of a codes row.
+template <typename DType, int BITS>
+__device__ __forceinline__ void store_packed(const uint32_t (&w)[PackShape<DType, BITS>::NW],
+                                             int32_t* row, int k) {
+  constexpr int LANE_BITS = PackShape<DType, BITS>::LANE_BITS;
   char* dst = reinterpret_cast<char*>(row) + k * (LANE_BITS / 8);
   if constexpr (LANE_BITS == 8) {
     *reinterpret_cast<uint8_t*>(dst) = (uint8_t)w[0];
@@ -556,6 +576,17 @@ __device__ __forceinline__ void quantize_pack_store(const uint4& raw, const floa
   } else {
     *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
   }
+}
+
+/// \brief Quantize the VE values of one 16-byte load and store their VE * BITS packed bits at
+/// byte offset k * VE * BITS / 8 of the codes row (LSB-first, little-endian).
+template <typename DType, int BITS>
+__device__ __forceinline__ void quantize_pack_store(const uint4& raw, const float* z,
+                                                    const float* inv, int32_t* row, int k,
+                                                    bool check, int32_t& status) {
+  uint32_t w[PackShape<DType, BITS>::NW];
+  quantize_pack<DType, BITS>(raw, z, inv, check, status, w);
+  store_packed<DType, BITS>(w, row, k);
 }
 
 /// \brief Load zero / inv of channels [k * VE, (k + 1) * VE) from shared memory.
@@ -569,6 +600,40 @@ __device__ __forceinline__ void load_qp(const float* s_zero, const float* s_inv,
     z[i] = a.x, z[i + 1] = a.y, z[i + 2] = a.z, z[i + 3] = a.w;
     inv[i] = b.x, inv[i + 1] = b.y, inv[i + 2] = b.z, inv[i + 3] = b.w;
   }
+}
+
+/// \brief Per-channel qparams of one tile-kernel block (one group of S = blockDim.x / CPL
+/// token slices x D channels): every thread publishes its raw min / max mm (channels k * VE..),
+/// thread c < D reduces channel c over the slices, stores scale[c] / zero[c] (this group's
+/// row) and, in shared memory after the 2 * blockDim.x uint4 of the exchange, qp[c] = zero,
+/// qp[D + c] = inv and with SCALE qp[2 D + c] = scale (floats).  Ends with a barrier;
+/// returns qp.
+template <typename DType, int D, int BITS, bool SCALE = false>
+__device__ __forceinline__ float* tile_group_qparams(const RawMinMax<DType>& mm, int S, unsigned char* smem,
+                                                     uint16_t* scale, uint16_t* zero) {
+  uint4* s_mn = reinterpret_cast<uint4*>(smem);  // [S][D] DType
+  uint4* s_mx = s_mn + blockDim.x;
+  float* qp = reinterpret_cast<float*>(s_mx + blockDim.x);
+  s_mn[threadIdx.x] = mm.mn;  // = element (s, k * VE)
+  s_mx[threadIdx.x] = mm.mx;
+  __syncthreads();
+  const DType* emn = reinterpret_cast<const DType*>(s_mn);
+  const DType* emx = reinterpret_cast<const DType*>(s_mx);
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    float a = INFINITY, b = -INFINITY;
+    for (int j = 0; j < S; ++j) {
+      a = fminf(a, to_float(emn[j * D + c]));
+      b = fmaxf(b, to_float(emx[j * D + c]));
+    }
+    const QParams q = make_qparams(a, b, BITS);
+    scale[c] = q.s16;
+    zero[c] = q.z16;
+    qp[c] = q.zero;
+    qp[D + c] = q.inv;
+    if constexpr (SCALE) qp[2 * D + c] = q.scale;
+  }
+  __syncthreads();
+  return qp;
 }
 
 /// One block per group of G = TPT * (blockDim.x / CPL) tokens; every token in registers.
@@ -589,28 +654,8 @@ __global__ void __launch_bounds__(512) GroupQuantizePerChannelTileKernel(GroupQu
   mm.init();
 #pragma unroll
   for (int i = 0; i < TPT; ++i) mm.update(raw[i]);
-  uint4* s_mn = reinterpret_cast<uint4*>(kvq_smem);  // [S][D] DType
-  uint4* s_mx = s_mn + blockDim.x;
-  float* s_zero = reinterpret_cast<float*>(s_mx + blockDim.x);
-  float* s_inv = s_zero + D;
-  s_mn[threadIdx.x] = mm.mn;  // = element (s, k * VE)
-  s_mx[threadIdx.x] = mm.mx;
-  __syncthreads();
-  const DType* emn = reinterpret_cast<const DType*>(s_mn);
-  const DType* emx = reinterpret_cast<const DType*>(s_mx);
-  for (int c = threadIdx.x; c < D; c += blockDim.x) {
-    float a = INFINITY, b = -INFINITY;
-    for (int j = 0; j < S; ++j) {
-      a = fminf(a, to_float(emn[j * D + c]));
-      b = fmaxf(b, to_float(emx[j * D + c]));
-    }
-    const QParams q = make_qparams(a, b, BITS);
-    p.scale[grp * D + c] = q.s16;
-    p.zero[grp * D + c] = q.z16;
-    s_zero[c] = q.zero;
-    s_inv[c] = q.inv;
-  }
-  __syncthreads();
+  const float* s_zero = tile_group_qparams<DType, D, BITS>(mm, S, kvq_smem, p.scale + grp * D, p.zero + grp * D);
+  const float* s_inv = s_zero + D;
   float z[VE], inv[VE];
   load_qp<VE>(s_zero, s_inv, k, z, inv);
   const bool check = p.status != nullptr;
