@@ -49,18 +49,32 @@ __device__ __forceinline__ uint32_t gk_val_bits(uint32_t kk, int side) {
 }
 
 /// \brief kth-largest (kth >= 1, kth <= n) of n NBITS-bit keys key_at(0..n) (every key
-/// < 2^NBITS) by a bitwise search (NBITS warp-wide counting passes).  Warp-uniform
-/// arguments; result in every lane.
+/// < 2^NBITS) by a bitwise search (at most NBITS warp-wide counting passes).  The search stops
+/// as soon as exactly kth keys are >= the current prefix: the answer is then the smallest of
+/// them (one more pass) -- the same value the remaining passes would reach, typically after
+/// about half the passes.  Warp-uniform arguments; result in every lane.
 template <int NBITS = 32, class F>
 __device__ __forceinline__ uint32_t gk_kth_largest(const F& key_at, int n, int kth, int lane) {
   static_assert(NBITS >= 1 && NBITS <= 32, "key width");
   uint32_t ans = 0;
-  for (int b = NBITS - 1; b >= 0; --b) {
+  int have = n;  // keys >= ans (warp-uniform)
+  for (int b = NBITS - 1; b >= 0 && have != kth; --b) {
     const uint32_t cand = ans | (1u << b);
     int cnt = 0;
     for (int i = lane; i < n; i += 32) cnt += key_at(i) >= cand ? 1 : 0;
     cnt = (int)__reduce_add_sync(kGkFull, (unsigned)cnt);
-    if (cnt >= kth) ans = cand;
+    if (cnt >= kth) {
+      ans = cand;
+      have = cnt;
+    }
+  }
+  if (have == kth) {
+    uint32_t m = 0xffffffffu;
+    for (int i = lane; i < n; i += 32) {
+      const uint32_t kk = key_at(i);
+      if (kk >= ans && kk < m) m = kk;
+    }
+    ans = __reduce_min_sync(kGkFull, m);
   }
   return ans;
 }
