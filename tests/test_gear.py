@@ -557,6 +557,35 @@ def test_cuda_power_iter_gram_path(dtype, T, d, rank, iters):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("rank", [3, 8])
+@pytest.mark.parametrize("scale", [1e-2, 1e3])
+def test_cuda_power_iter_gram_apply_long_ragged(dtype, d, rank, scale):
+    """The tensor-core apply kernel (A = x W) on long T that is not a multiple of 16 (many
+    splits, a partial last tile), odd and full ranks, and input scales that put W far from 1
+    (W ~ 1 / sigma: 1e-4 .. 1e3; the kernel scales W per column by a power of two before
+    the 16-bit hi/lo split).  Same properties as the Gram-path test."""
+    T = 4096 + 5
+    X = (decaying((2, 3, T, d), seed=d + rank) * scale).to(dtype)
+    A0, B0 = kvq.lowrank_power_iter(X, rank, 3, 0)
+    A1, B1 = kvq.lowrank_power_iter(X.cuda(), rank, 3, 0)
+    A2, B2 = kvq.lowrank_power_iter(X.cuda(), rank, 3, 0)
+    torch.testing.assert_close(A2, A1, rtol=0, atol=0)
+    torch.testing.assert_close(B2, B1, rtol=0, atol=0)
+    A1, B1 = A1.cpu().double(), B1.cpu().double()
+    assert torch.isfinite(A1).all() and torch.isfinite(B1).all()
+    Xd = X.double()
+    eye = torch.eye(rank, dtype=torch.float64)
+    torch.testing.assert_close(A1.mT @ A1, eye.expand(2, 3, -1, -1), atol=1e-2, rtol=0)
+    S = torch.linalg.svdvals(Xd)
+    assert ((B1 - Xd.mT @ A1).flatten(-2).norm(dim=-1) <= 2e-2 * S[..., 0]).all()
+    e0 = (Xd - A0.double() @ B0.double().mT).flatten(-2).norm(dim=-1)
+    e1 = (Xd - A1 @ B1.mT).flatten(-2).norm(dim=-1)
+    assert (e1 <= 1.01 * e0 + 0.02 * S[..., 0]).all(), (e1, e0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_power_iter_gram_path_batch_and_degenerate(dtype):
     # many matrices (one split each), a zero matrix and a rank-1 matrix in the batch
     X = decaying((70, 1, 600, 64), seed=3).to(dtype)

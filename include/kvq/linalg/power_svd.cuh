@@ -785,8 +785,9 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterFinalizeKernel(PowerIter
 //     a full symmetric C in shared memory and runs all iterations on it (M = C B~,
 //     G = B~^T M, then pow_finalize: the same Cholesky-QR / orth / Jacobi truncation as the
 //     pass path); writes B and W (workspace).
-//  3. PowerGramApplyKernel, grid (SA, N): A = X W (thread = row x 8 channels, one 16-byte
-//     load, W slice in registers, xor-shuffle reduction).
+//  3. PowerGramApplyKernel, grid (SA, N): A = X W on tensor cores (mma.sync m16n8k16, X
+//     straight from global memory into A fragments, W as a split hi + lo B operand held in
+//     registers, fp32 accumulation).
 // Workspace (floats): Bt [N, d, RB] (unused) | W [N, d, RB] | partials [N, S, packed].
 // ---------------------------------------------------------------------------
 constexpr int kGramRows = 64;    // rows per pipeline stage
@@ -1076,64 +1077,147 @@ __global__ void __maxnreg__(224) PowerGramIterateKernel(PowerIterParams p, int64
   for (int idx = tid; idx < D * RB; idx += kPowThreads) W[idx] = Bs[(idx / RB) * kBStride + idx % RB];
 }
 
-/// \brief Rows in flight per thread of PowerGramApplyKernel (no spills at 128 registers).
-constexpr int gram_apply_batch(int rb) { return rb >= 6 ? 4 : 8; }
+/// \brief 16-row tiles per warp and batch of PowerGramApplyKernel: 8 KB of X in flight per
+/// warp (16 warps per SM: ~128 KB per SM), 64 registers of X per thread.
+KVQ_HOST_DEVICE constexpr int gram_apply_tiles(int d) { return d == 64 ? 4 : 2; }
+constexpr int kGramApplyWarps = kPowThreads / 32;
 
-/// \brief A = X W for the Gram path: thread (row slot, seg) owns channels [8 seg, 8 seg + 8)
-/// (one 16-byte load per row), U rows per thread in flight, P reduced over the D / 8 lanes
-/// of a row with xor shuffles; lane seg < r writes A[t, seg].
+/// \brief Two 16-bit values (lo: lower channel) as one mma operand register.
+template <typename DType>
+__device__ __forceinline__ unsigned gram_pack2(DType lo, DType hi) {
+  return (unsigned)lo.bits | ((unsigned)hi.bits << 16);
+}
+
+/// \brief *dst = bits if pred, as one predicated store (a C++ `if` makes nvcc sink the whole
+/// 64-bit address computation into a branch per store).
+__device__ __forceinline__ void gram_st16_if(void* dst, uint16_t bits, bool pred) {
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p st.global.b16 [%0], %1;\n}\n" ::"l"(dst),
+      "h"(bits), "r"((int)pred)
+      : "memory");
+}
+
+/// \brief A = X W for the Gram path on tensor cores (mma.sync m16n8k16, fp32 accumulate),
+/// computed transposed: A^T (16 x 8 rows) = [W_hi | W_lo]^T (16 x 16 channels) X^T (16
+/// channels x 8 rows).  W s = W_hi + W_lo (W_hi = DType(W s), W_lo = DType(W s - W_hi); s a
+/// per-column power of two with max |W[:, c]| s_c in [0.5, 1): no fp16 overflow/underflow
+/// whatever the singular values); mma rows m = c take W_hi[:, c], rows 8 + c take W_lo[:, c]
+/// (c < 8, columns >= RB zero), so one mma gives both halves of the product in separate
+/// accumulators, summed and unscaled (exact) before the single rounding to DType.
+/// Warp = U tiles of 16 rows (two 8-row groups) per batch, chunks warp, warp + 8, ... of the
+/// split.  Lane (g = lane / 4, tig = lane % 4) loads row 8 h + g of group h, channels
+/// [32 ss + 8 tig, +8) per 32-channel super-step ss: one 16-byte load (a warp load is 8 rows
+/// x 64 contiguous bytes, full sectors).  The k order inside an mma is free as long as both
+/// operands agree: k-step ks of super-step ss maps k = 2 tig + e to channel
+/// 32 ss + 8 tig + 4 ks + e and k = 2 tig + 8 + e to channel 32 ss + 8 tig + 4 ks + 2 + e
+/// (e in {0, 1}), so the B fragment is words {2 ks, 2 ks + 1} of the load (a register pair,
+/// no moves) and lane (g, tig) needs W[:, g] only at the channels of its own loads.
+/// Result: lane (g, tig) holds A[rows 2 tig + {0, 1} of the group, column g] (hi in acc
+/// {0, 1}, lo in {2, 3}).  Fixed order everywhere: deterministic.
 template <typename DType, int D, int RB>
 __global__ void __launch_bounds__(kPowThreads, 2) PowerGramApplyKernel(PowerIterParams p,
                                                                        int64_t rows_per_split) {
   static_assert(sizeof(DType) == 2, "16-bit inputs only");
-  constexpr int SEGS = D / 8, RPS = kPowThreads / SEGS, U = gram_apply_batch(RB);
-  const int tid = threadIdx.x, seg = tid % SEGS, rsub = tid / SEGS;
+  static_assert(D % 32 == 0 && RB <= 8, "apply tile layout");
+  constexpr int SS = D / 32;                   // 32-channel super-steps
+  constexpr int U = gram_apply_tiles(D);       // 16-row tiles per warp and batch
+  constexpr int CHUNK = 16 * U;                // rows per warp and batch
+  constexpr int STRIDE = kGramApplyWarps * CHUNK;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tig = lane & 3;
   const int64_t s = blockIdx.x, n = blockIdx.y, N = p.N, T = p.T;
   const int r = p.rank;
-  const float* Wg = p.ws + N * D * RB + n * D * RB;
-  float w[8][RB];
-#pragma unroll
-  for (int e = 0; e < 8; ++e)
-#pragma unroll
-    for (int c = 0; c < RB; ++c) w[e][c] = Wg[(seg * 8 + e) * RB + c];
   const int64_t t_begin = s * rows_per_split;
   const int64_t t_end = t_begin + rows_per_split < T ? t_begin + rows_per_split : T;
   const DType* X = static_cast<const DType*>(p.x) + n * T * D;
   DType* A = static_cast<DType*>(p.A) + n * T * r;
-  for (int64_t t0 = t_begin; t0 < t_end; t0 += RPS * U) {  // uniform trip count
-    PowVec<DType, 8> raw[U];
+  uint4 xa[U][2][SS];  // [tile][8-row group][super-step]
+  // Rows past the end (T not a multiple of 16, end of the split) load a valid row instead
+  // (the last one): row n of X^T only reaches column n of the product, which is not stored.
+  auto load = [&](int64_t t0) {
+    const int last = (int)((t_end - t0 < CHUNK ? t_end - t0 : CHUNK) - 1);
+    const DType* Xb = X + t0 * D + 8 * tig;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int64_t t = t0 + u * RPS + rsub;
-      if (t < t_end) {
-        raw[u] = *reinterpret_cast<const PowVec<DType, 8>*>(X + t * D + seg * 8);
-      } else {
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) raw[u].v[e] = from_float<DType>(0.f);
+      for (int h = 0; h < 2; ++h) {
+        const int lr = 16 * u + 8 * h + g;
+        // NOTE: rows are 16-byte aligned (D * 2 % 16 == 0, aligned base)
+        const uint4* src = reinterpret_cast<const uint4*>(Xb + (lr < last ? lr : last) * D);
+#pragma unroll
+        for (int ss = 0; ss < SS; ++ss) xa[u][h][ss] = src[ss * 4];
       }
-    }
+  };
+  int64_t t0 = t_begin + (int64_t)warp * CHUNK;
+  if (t0 < t_end) load(t0);  // the first batch is in flight while W is read
+  unsigned wa[SS][2][4];     // A fragments [super-step][k-step]: {hi k lo, lo k lo, hi k hi, lo k hi}
+  float inv;                 // 1 / s_g
+  {
+    const float* Wg = p.ws + N * D * RB + n * D * RB;
+    float wv[SS][8];
+    float m = 0.f;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float pc[RB];
-#pragma unroll
-      for (int c = 0; c < RB; ++c) pc[c] = 0.f;
+    for (int ss = 0; ss < SS; ++ss)
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
-        const float x = to_float(raw[u].v[e]);
-#pragma unroll
-        for (int c = 0; c < RB; ++c) pc[c] = fmaf(x, w[e][c], pc[c]);
+        wv[ss][e] = g < RB ? Wg[(ss * 32 + 8 * tig + e) * RB + g] : 0.f;
+        m = fmaxf(m, fabsf(wv[ss][e]));
       }
-#pragma unroll
-      for (int o = 1; o < SEGS; o <<= 1)
-#pragma unroll
-        for (int c = 0; c < RB; ++c) pc[c] += __shfl_xor_sync(kPowFullMask, pc[c], o);
-      float pa = 0.f;
-#pragma unroll
-      for (int c = 0; c < RB; ++c)
-        if (c == seg) pa = pc[c];
-      const int64_t t = t0 + u * RPS + rsub;
-      if (t < t_end && seg < r) A[t * r + seg] = from_float<DType>(pa);
+    m = fmaxf(m, __shfl_xor_sync(kPowFullMask, m, 1));  // column max over the 4 lanes of g
+    m = fmaxf(m, __shfl_xor_sync(kPowFullMask, m, 2));
+    int ex = 0;
+    if (m > 0.f && m <= 3.4028235e38f) {  // zero / non-finite columns: scale 1
+      (void)frexpf(m, &ex);
+      ex = ex < -126 ? -126 : (ex > 126 ? 126 : ex);
     }
+    const float scale = __int_as_float((127 - ex) << 23);
+    inv = __int_as_float((127 + ex) << 23);
+#pragma unroll
+    for (int ss = 0; ss < SS; ++ss)
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const float w0 = wv[ss][4 * ks + 2 * q] * scale, w1 = wv[ss][4 * ks + 2 * q + 1] * scale;
+          const DType h0 = from_float<DType>(w0), h1 = from_float<DType>(w1);
+          wa[ss][ks][2 * q] = gram_pack2<DType>(h0, h1);
+          wa[ss][ks][2 * q + 1] = gram_pack2<DType>(from_float<DType>(w0 - to_float(h0)),
+                                                    from_float<DType>(w1 - to_float(h1)));
+        }
+  }
+  const bool col_ok = g < r;
+  for (; t0 < t_end; t0 += STRIDE) {  // warp-uniform trip count (mma.sync: whole warp)
+    float acc[U][2][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[u][h][e] = 0.f;
+#pragma unroll
+    for (int ss = 0; ss < SS; ++ss)
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks)
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint4 x = xa[u][h][ss];
+            gram_mma<DType>(acc[u][h], wa[ss][ks], ks == 0 ? x.x : x.z, ks == 0 ? x.y : x.w);
+          }
+    const int rows = (int)(t_end - t0 < CHUNK ? t_end - t0 : CHUNK);
+    DType* Ab = A + t0 * r + g;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int lr = 16 * u + 8 * h + 2 * tig + e;
+          const DType v = from_float<DType>((acc[u][h][e] + acc[u][h][2 + e]) * inv);
+          gram_st16_if(Ab + lr * r, v.bits, col_ok && lr < rows);
+        }
+    // next batch (after the stores: the X registers are free, no address rematerialization)
+    if (t0 + STRIDE < t_end) load(t0 + STRIDE);
   }
 }
 
@@ -1154,13 +1238,17 @@ cudaError_t PowerIterGram(const PowerIterParams& p, cudaStream_t stream) {
   PowerGramKernel<DType, D><<<dim3((unsigned)S, (unsigned)p.N), kPowThreads, GD::SMEM, stream>>>(
       p, rps, 2 * p.N * D * RB);
   PowerGramIterateKernel<DType, D, RB><<<(unsigned)p.N, kPowThreads, c_smem, stream>>>(p, S);
-  constexpr int64_t kApplyRows = (kPowThreads / (D / 8)) * gram_apply_batch(RB);  // rows per batch
+  // Apply: ~2 blocks per SM of an H200 in total (16 warps x 8 KB of X in flight per SM);
+  // splits are whole warp chunks (only the matrix's last tile is partial).
+  constexpr int64_t kChunk = 16 * gram_apply_tiles(D);
+  constexpr int64_t kApplyRows = kGramApplyWarps * kChunk;  // rows per block and batch
   int64_t SA = 264 / p.N;
   const int64_t by_rows = (p.T + kApplyRows - 1) / kApplyRows;
   SA = SA < by_rows ? SA : by_rows;
   SA = SA < 1 ? 1 : SA;
+  const int64_t rows_a = ((p.T + SA - 1) / SA + kChunk - 1) / kChunk * kChunk;
   PowerGramApplyKernel<DType, D, RB>
-      <<<dim3((unsigned)SA, (unsigned)p.N), kPowThreads, 0, stream>>>(p, (p.T + SA - 1) / SA);
+      <<<dim3((unsigned)SA, (unsigned)p.N), kPowThreads, 0, stream>>>(p, rows_a);
   return cudaGetLastError();
 }
 
