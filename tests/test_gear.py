@@ -1024,6 +1024,8 @@ def test_cuda_gear_values_fused_bench_shape():
     (4096, 128, 2, 128, 0.02),   # split path, 256-thread quantize blocks
     (8192, 128, 2, 16, 0.02),    # split path, G = 16 < T / 256 (selection: 32 tokens per thread)
     (2048, 256, 4, 64, 0.01),    # split path, D = 256 (512-thread quantize blocks)
+    (12000, 64, 2, 32, 0.02),    # 47 tokens per thread (candidate scan in 32-token chunks)
+    (5000, 128, 2, 40, 0.02),    # 20 tokens per thread (one selected thread per warp step)
 ])
 def test_cuda_gear_keys_fused_matches_cpu(dtype, T, D, bits, G, s):
     x = kv_like(1, 2, T, D, seed=T + D + bits, dtype=dtype)

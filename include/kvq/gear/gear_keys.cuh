@@ -107,7 +107,6 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots + mask_u4);  // [2][NC][NT]
   uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots + mask_u4);   // [2][NC][cap] (aliases exch)
   __shared__ int s_cnt[2][NC];
-  __shared__ uint32_t s_tau[2][NC];   // candidate thresholds on the 16-bit keys
   __shared__ uint32_t s_thr[2][NC];   // outlier iff ck >= s_thr[0][c] or ck <= s_thr[1][c]
   __shared__ float s_lo[NC], s_hi[NC];
   __shared__ float s_red[NT / 32][NC][2];
@@ -122,7 +121,6 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   const int sw = (tpt & 7) ? 0 : (tid & 7);  // gk_slot for this thread's own tokens
   const uint4* xg = reinterpret_cast<const uint4*>(static_cast<const DType*>(p.x) + n * p.T * p.D + s * NC);
   const int rstride = D / NC;  // uint4 per token row of x
-  if (tid < 2 * NC) (&s_cnt[0][0])[tid] = 0;
   if (!SEL && p.k > 0)
     for (int i = tid; i < tpt * (NT / 4); i += NT) omask[i] = 0u;  // barriers follow before use
 
@@ -181,57 +179,61 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
       exch[(1 * NC + c) * NT + tid] = (uint16_t)(kmin[i] >> sh);
     }
     __syncthreads();
+    // ---- 3. per channel (warp c): tau of both sides, then the candidates {key >= tau_top},
+    // {key <= tau_bot} collected from the slab rows of the threads whose extremum passes tau
+    // only, in token order (threads own contiguous tokens; ballot-compacted appends, no
+    // atomics), so that step 4 can place the selected entries by a ballot prefix.
+    const int c = warp;
+    const unsigned below = (1u << lane) - 1u;
     {
-      const int c = warp;
       const uint16_t* em = exch + (0 * NC + c) * NT;
       const uint16_t* en = exch + (1 * NC + c) * NT;
       // at least kt thread maxima are >= tau_top, hence at least kt entries (bottom alike)
       const uint32_t tt = gk_kth_largest<16>([&](int i) { return (uint32_t)em[i]; }, NT, kt, lane);
       const uint32_t tb = 0xffffu - gk_kth_largest<16>([&](int i) { return 0xffffu - (uint32_t)en[i]; }, NT, kt, lane);
-      __syncwarp();
-      if (lane == 0) {
-        s_tau[0][c] = tt;
-        s_tau[1][c] = tb;
+      uint32_t selT = 0u, selB = 0u;  // bit j: thread lane + 32 j passes tau
+#pragma unroll
+      for (int j = 0; j < NT / 32; ++j) {
+        selT |= ((uint32_t)em[lane + 32 * j] >= tt ? 1u : 0u) << j;
+        selB |= ((uint32_t)en[lane + 32 * j] <= tb ? 1u : 0u) << j;
       }
-    }
-    __syncthreads();  // exch is dead from here on (buf aliases it)
-    // ---- 3. candidates {key >= tau_top}, {key <= tau_bot} -> buf (unordered)
-    {
-      uint32_t tau_t[4], tau_b[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        tau_t[i] = s_tau[0][2 * i] | (s_tau[0][2 * i + 1] << 16);
-        tau_b[i] = s_tau[1][2 * i] | (s_tau[1][2 * i + 1] << 16);
-      }
-      for (int t = t0; t < t1; ++t) {
-        const uint4 v = slab[t ^ sw];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t k2 = gk_keys2(gk_word(v, i));
-          const uint32_t mt = __vcmpgeu2(k2, tau_t[i]), mb = __vcmpleu2(k2, tau_b[i]);
-          if (mt | mb) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int c = 2 * i + h;
-              const uint32_t key = (k2 >> (16 * h)) & 0xffffu;
-              const uint32_t ck = (key << 16) | (0xffffu - (uint32_t)t);
-              if ((mt >> (16 * h)) & 1u) {
-                const int pos = atomicAdd(&s_cnt[0][c], 1);
-                if (pos < cap) buf[(0 * NC + c) * cap + pos] = ck;
+      __syncthreads();  // exch is dead from here on (buf aliases it)
+      const int span = tpt < 32 ? tpt : 32, per = 32 / span;  // threads per warp step
+      const int sub = lane / span, off = lane - sub * span;
+      const uint16_t* slab16 = reinterpret_cast<const uint16_t*>(slab);
+      for (int side = 0; side < 2; ++side) {
+        const uint32_t tau = side == 0 ? tt : tb, sel = side == 0 ? selT : selB;
+        uint32_t* b = buf + (side * NC + c) * cap;
+        int cnt = 0;
+#pragma unroll 1
+        for (int j = 0; j < NT / 32; ++j) {
+          uint32_t m = __ballot_sync(kGkFull, (sel >> j) & 1u);
+          while (m != 0u) {  // warp-uniform
+            const uint32_t bit = sub < per ? __fns(m, 0, sub + 1) : 0xffffffffu;  // sub-th selected thread
+            const int o = (int)bit + 32 * j;
+            for (int c0 = 0; c0 < tpt; c0 += 32) {  // (one step unless tpt > 32)
+              const int tt_ = c0 + off, t = o * tpt + tt_;
+              const bool valid = bit != 0xffffffffu && tt_ < tpt && t < T;
+              uint32_t key = 0u;
+              if (valid) key = select::orderable_key16(slab16[gk_slot(t, o, tpt) * 8 + c]);
+              const bool cand = valid && (side == 0 ? key >= tau : key <= tau);
+              const unsigned mm = __ballot_sync(kGkFull, cand);
+              if (cand) {
+                const int pos = cnt + __popc(mm & below);
+                const uint32_t ck = (key << 16) | (0xffffu - (uint32_t)t);
+                if (pos < cap) b[pos] = side == 0 ? ck : ~ck;
               }
-              if ((mb >> (16 * h)) & 1u) {
-                const int pos = atomicAdd(&s_cnt[1][c], 1);
-                if (pos < cap) buf[(1 * NC + c) * cap + pos] = ~ck;
-              }
+              cnt += __popc(mm);
             }
+            for (int r = 0; r < per && m != 0u; ++r) m &= m - 1u;  // drop the threads just done
           }
         }
+        if (lane == 0) s_cnt[side][c] = cnt;
       }
+      __syncwarp();
     }
-    __syncthreads();
-    // ---- 4. exact selection per (channel, side): warp c
+    // ---- 4. exact selection per (channel, side): warp c (its own buffers only)
     {
-      const int c = warp;
       auto mark = [&](int t) {  // token t of channel c is an outlier
         if constexpr (!SEL) {
           const int o = t / tpt, b = (t - o * tpt) * NT + o;
@@ -239,7 +241,6 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
         }
       };
       const int64_t vbase = (n * p.D + s * NC + c) * 2 * (int64_t)k;
-      const unsigned below = (1u << lane) - 1u;
       for (int side = 0; side < 2; ++side) {
         const int cn = s_cnt[side][c];
         uint32_t Kkt, Kk;
@@ -248,20 +249,22 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
           auto at = [&](int i) { return b[i]; };
           Kkt = gk_kth_largest(at, cn, kt, lane);
           Kk = gk_min_above(at, cn, Kkt, lane);
-          // the k entries >= Kk, each at its rank by index among them
-          for (int i = lane; i < cn; i += 32) {
-            const uint32_t kk = b[i];
-            if (kk >= Kk) {
+          // the k entries >= Kk; the buffer is in token order, so a ballot prefix is their rank
+          // by index
+          int base = 0;
+          for (int i0 = 0; i0 < cn; i0 += 32) {
+            const int i = i0 + lane;
+            const uint32_t kk = i < cn ? b[i] : 0u;
+            const bool take = i < cn && kk >= Kk;
+            const unsigned m = __ballot_sync(kGkFull, take);
+            if (take) {
+              const int pos = base + __popc(m & below);
               const uint32_t idx = gk_idx(kk, side);
-              int pos = 0;
-              for (int j = 0; j < cn; ++j) {
-                const uint32_t kj = b[j];
-                pos += (kj >= Kk && gk_idx(kj, side) < idx) ? 1 : 0;
-              }
               ovalues[vbase + side * k + pos].bits = (uint16_t)gk_val_bits(kk, side);
               oindices[vbase + side * k + pos] = (int16_t)idx;
               mark((int)idx);
             }
+            base += __popc(m);
           }
         } else {
           // NOTE: many ties at tau overflowed the buffer: the same search over the channel.
