@@ -306,7 +306,6 @@ __device__ __forceinline__ float exp2_nonpos(float x) {
 /// Applies the mask row (nullptr: none), updates the running max m and sum l of the lane's two
 /// heads, turns sc into p = 2^(s - m) and returns the factors al* that rescale older
 /// accumulators.
-template <bool TREE = false>
 __device__ __forceinline__ void tile_online_softmax(float (&sc)[2][4], const uint8_t* mrow, int i, float& mA,
                                                     float& mB, float& lA, float& lB, float& alA, float& alB) {
   if (mrow != nullptr) {
@@ -333,14 +332,8 @@ __device__ __forceinline__ void tile_online_softmax(float (&sc)[2][4], const uin
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       sc[mt][e] = exp2_nonpos(sc[mt][e] - ((e & 1) ? uB : uA));
-      if constexpr (!TREE) {
-        if (e & 1) psB += sc[mt][e]; else psA += sc[mt][e];
-      }
+      if (e & 1) psB += sc[mt][e]; else psA += sc[mt][e];
     }
-  if constexpr (TREE) {  // two levels of adds instead of a chain of four
-    psA = (sc[0][0] + sc[0][2]) + (sc[1][0] + sc[1][2]);
-    psB = (sc[0][1] + sc[0][3]) + (sc[1][1] + sc[1][3]);
-  }
   lA = lA * alA + psA;
   lB = lB * alB + psB;
 }
@@ -371,7 +364,7 @@ __device__ __forceinline__ void tile_pt_fragments(const float (&sc)[2][4], uint3
   }
 }
 
-template <typename DType, int D, int BITS, bool KPC, bool GEAR, int NGV, bool ILP>
+template <typename DType, int D, int BITS, bool KPC, bool GEAR, int NGV>
 __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
                          int64_t t_end, int warp, float* slot, char* ring, char* gscr, const float* s_q) {
   using CM = ChannelMap<D, BITS>;
@@ -389,15 +382,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   // need every other code word of a token (8 LDS.32 per token instead of 2 LDS.128), which
   // measured slower than dequantizing (kivi-4 152 vs 131 us, B = 8, L = 32k)
   constexpr bool SUBV = !GEAR && NGV > 0 && NGV <= MV && BITS == 2;
-  // ILPX (ILP schedule, non-GEAR; KVQ_DECODE_ILP=0 selects the previous one for A/B): the QK
-  // score and zero-point accumulators are split by k-step parity (independent HMMA chains of
-  // NK / 2 instead of NK, summed before the softmax) and the softmax sums are trees.  The
-  // split costs 12 registers, paid by not keeping qf (16): the B operand of the code mma is
-  // (qb . scale) . 2^-off (one more HMUL2 per pair and tile; the power of two is exact in fp16
-  // except for subnormal results, which qf . scale rounded as well)
-  constexpr bool ILPX = ILP && !GEAR;
-  constexpr bool QF_REG = SUBK && !ILPX;
-  constexpr int NKF = QF_REG ? NK : 1;
+  constexpr int NKF = SUBK ? NK : 1;
   const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
   const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
 
@@ -425,7 +410,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       const int cha = c * (D / 4) + CM::channel(pp, 0), chb = c * (D / 4) + CM::channel(pp, 1);
       const float xa = i < g ? to_float(q[i * D + cha]) * rq : 0.f, xb = i < g ? to_float(q[i * D + chb]) * rq : 0.f;
       qb[kk][r] = pack_half2(xa, xb);
-      if constexpr (QF_REG) {
+      if constexpr (SUBK) {
         const float f = 1.f / (float)(1 << sub_off<BITS>(pp % PK::PO));
         qf[kk][r] = pack_half2(xa * f, xb * f);
       }
@@ -584,9 +569,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[mt][e] = 0.f;
     float zc[4] = {0.f, 0.f, 0.f, 0.f};  // SUBK: q . zero of the tile's group (all rows equal)
-    float sc2[2][4], zc2[4];  // ILPX: the accumulators of the odd k-steps
-#pragma unroll
-    for (int e = 0; e < 4; ++e) sc2[0][e] = sc2[1][e] = zc2[e] = 0.f;
     if constexpr (SUBK) {
       // this lane quad's scale and zero rows (channels [c D/4, (c + 1) D/4)) as words
       uint32_t swr[D / 8], zwr[D / 8];
@@ -599,14 +581,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
 #pragma unroll
       for (int kk = 0; kk < NK; ++kk) {
         const int pa = 2 * kk, pb = 2 * kk + 1;
-        uint32_t b0, b1;
-        if constexpr (QF_REG) {
-          b0 = hmul2_u32(qf[kk][0], pair_of(swr, pa)), b1 = hmul2_u32(qf[kk][1], pair_of(swr, pb));
-        } else {  // 2^-off as an fp16x2 constant (exact powers of two)
-          constexpr uint32_t kPow[4] = {0x3C003C00u, 0x34003400u, 0x2C002C00u, 0x24002400u};  // 1, 1/4, 1/16, 1/64
-          b0 = hmul2_u32(hmul2_u32(qb[kk][0], pair_of(swr, pa)), kPow[sub_off<BITS>(pa % PK::PO) / 2]);
-          b1 = hmul2_u32(hmul2_u32(qb[kk][1], pair_of(swr, pb)), kPow[sub_off<BITS>(pb % PK::PO) / 2]);
-        }
+        const uint32_t b0 = hmul2_u32(qf[kk][0], pair_of(swr, pa)), b1 = hmul2_u32(qf[kk][1], pair_of(swr, pb));
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           const uint32_t w0a = kw[2 * mt][pa / PK::PO], w1a = kw[2 * mt + 1][pa / PK::PO];
@@ -616,16 +591,13 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           a[1] = sub_pair<BITS>(w1a, w1a >> 8, pa % PK::PO);
           a[2] = sub_pair<BITS>(w0b, w0b >> 8, pb % PK::PO);
           a[3] = sub_pair<BITS>(w1b, w1b >> 8, pb % PK::PO);
-          mma16816((ILPX && (kk & 1)) ? sc2[mt] : sc[mt], a, b0, b1);
+          mma16816(sc[mt], a, b0, b1);
         }
         // zero points: every row of sc gets sum_c q_c z_c (A = the zero row in every row, B = q;
         // exact products, unlike an fp16 q . z operand)
         const uint32_t za = pair_of(zwr, pa), zb = pair_of(zwr, pb);
         const uint32_t az[4] = {za, za, zb, zb};
-        mma16816((ILPX && (kk & 1)) ? zc2 : zc, az, qb[kk][0], qb[kk][1]);
-      }
-      if constexpr (ILPX) {
-        zc[0] += zc2[0], zc[1] += zc2[1];  // (rows i + 8 are not used)
+        mma16816(zc, az, qb[kk][0], qb[kk][1]);
       }
     }
 #pragma unroll
@@ -655,14 +627,8 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         a[1] = hfma2_u32(extract_pair<BITS>(kw[2 * mt + 1][pa / PK::PO], pa % PK::PO), ksa[1], kza[1]);
         a[2] = hfma2_u32(extract_pair<BITS>(kw[2 * mt][pb / PK::PO], pb % PK::PO), ksb[0], kzb[0]);
         a[3] = hfma2_u32(extract_pair<BITS>(kw[2 * mt + 1][pb / PK::PO], pb % PK::PO), ksb[1], kzb[1]);
-        mma16816((ILPX && (kk & 1)) ? sc2[mt] : sc[mt], a, qb[kk][0], qb[kk][1]);
+        mma16816(sc[mt], a, qb[kk][0], qb[kk][1]);
       }
-    }
-    if constexpr (ILPX) {
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sc[mt][e] += sc2[mt][e];
     }
     GearTile gt{};
     GearSegView kg{}, vg{};
@@ -803,7 +769,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         for (int e = 0; e < 4; ++e) sc[mt][e] *= (e & 1) ? sfB : sfA;
     }
     float alA, alB;
-    tile_online_softmax<ILPX>(sc, p.mask != nullptr ? p.mask + b * p.mask_sb + t0 : nullptr, i, mA, mB, lA, lB, alA, alB);
+    tile_online_softmax(sc, p.mask != nullptr ? p.mask + b * p.mask_sb + t0 : nullptr, i, mA, mB, lA, lB, alA, alB);
     if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {  // a running max moved
 #pragma unroll
       for (int n = 0; n < MV; ++n) acc[n][0] *= alA, acc[n][1] *= alB, acc[n][2] *= alA, acc[n][3] *= alB;
@@ -1211,7 +1177,7 @@ inline size_t decode_attention_smem_bytes(int g) {
 #ifndef KVQ_MINB
 #define KVQ_MINB 3
 #endif
-template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR, int NGV = 0, bool ILP = true>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR, int NGV = 0>
 __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
     DecodeAttentionKernel(DecodeAttnParams p, SplitPlan plan) {
   pdl_allow_dependents();
@@ -1235,7 +1201,7 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   bool have_mma = false;
   if constexpr (MMA) {
     if (t_begin < t_end) {
-      warp_mma<DType, D, BITS, KPC, GEAR, NGV, ILP>(p, b, h, g, t_begin, t_end, warp, slot, region,
+      warp_mma<DType, D, BITS, KPC, GEAR, NGV>(p, b, h, g, t_begin, t_end, warp, slot, region,
                                           region + (wbytes - (GEAR ? GearScratch::bytes(D) : 0)), s_q);
       have_mma = true;
     }
@@ -1346,18 +1312,16 @@ inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
 
 /// \brief Split plan for T tokens of which [0, t_main) (a multiple of kTile) go through an
 /// mma path, BH (batch, KV head) rows, CTAs of `warps` warps, `ctas_per_sm` resident CTAs per
-/// SM of the kernel that will run, at least `min_tiles` mma tiles per warp.  The mma path is
-/// sized to whole waves: ns minimises ceil(ns * BH / slots) / ns.
-inline SplitPlan split_plan(int64_t t_main, int64_t T, int64_t BH, int num_sms, int ctas_per_sm, int warps,
-                            int min_tiles = 2) {
+/// SM of the kernel that will run.  The mma path is sized to whole waves: ns minimises
+/// ceil(ns * BH / slots) / ns.
+inline SplitPlan split_plan(int64_t t_main, int64_t T, int64_t BH, int num_sms, int ctas_per_sm, int warps) {
   SplitPlan plan;
   const int64_t slots = (int64_t)num_sms * (ctas_per_sm > 0 ? ctas_per_sm : 1);
   plan.t_main = t_main;
   const int64_t kStep = (int64_t)warps * kTile;  // tokens per CTA step (one tile per warp)
   if (plan.t_main > 0) {
     const int64_t steps = (plan.t_main + kStep - 1) / kStep;
-    const int64_t mt = min_tiles > 1 ? min_tiles : 1;
-    const int64_t max_ns = (steps + mt - 1) / mt > 0 ? (steps + mt - 1) / mt : 1;  // >= mt tiles per warp
+    const int64_t max_ns = (steps + 1) / 2 > 0 ? (steps + 1) / 2 : 1;  // >= 2 tiles per warp
     int64_t best = 1;
     double best_cost = 1e300;
     // cost ~ waves x (steps per CTA + 2): the +2 charges each CTA's fixed work (q fragments,
@@ -1404,20 +1368,19 @@ inline SplitPlan split_plan(int64_t t_main, int64_t T, int64_t BH, int num_sms, 
 }
 
 /// \brief Split plan of the group-quantized kernels (see split_plan).
-inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, int ctas_per_sm,
-                                       int min_tiles = 2) {
+inline SplitPlan decode_attention_plan(const DecodeAttnParams& p, int num_sms, int ctas_per_sm) {
   int64_t t_main = 0;
   if (decode_attention_mma_ok(p)) {
     int64_t tq = p.k.Tq < p.v.Tq ? p.k.Tq : p.v.Tq;
     if (tq > p.T) tq = p.T;
     t_main = (tq / kTile) * kTile;
   }
-  return split_plan(t_main, p.T, p.B * p.H, num_sms, ctas_per_sm, kWarps, min_tiles);
+  return split_plan(t_main, p.T, p.B * p.H, num_sms, ctas_per_sm, kWarps);
 }
 
-template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int NGV = 0, bool ILP = true>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int NGV = 0>
 cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& plan, cudaStream_t stream) {
-  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR, NGV, ILP>;
+  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR, NGV>;
   const int g = (int)(p.Hq / p.H);
   const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR, sizeof(DType)>(g);
   if (smem > 48 * 1024) {
@@ -1432,11 +1395,11 @@ cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& pl
 }
 
 /// \brief Resident CTAs per SM of an instantiation (0 on error), for the split plan.
-template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int NGV = 0, bool ILP = true>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int NGV = 0>
 int DecodeAttentionOccupancy(int g) {
   static int cache[kMaxGroup + 1] = {};  // per instantiation and g (benign race: same value)
   if (g >= 1 && g <= kMaxGroup && cache[g] > 0) return cache[g];
-  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR, NGV, ILP>;
+  auto kernel = DecodeAttentionKernel<DType, D, BITS, KPC, MMA, GEAR, NGV>;
   const size_t smem = decode_attention_smem_bytes<D, BITS, KPC, MMA, GEAR, sizeof(DType)>(g);
   if (smem > 48 * 1024 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
