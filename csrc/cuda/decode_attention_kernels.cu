@@ -1,8 +1,6 @@
 // Decode-attention entry points: split planning (sized by the occupancy of the kernel that
 // will run), the generic (CUDA-core) instantiations, and dispatch to the tensor-core
 // instantiations generated from decode_attention_mma_kernels.cu.in (one file per code width).
-#include <cstdlib>
-
 #include "kvq/attention/decode_attention.cuh"
 #include "kvq/cuda_api.h"
 #include "kvq/quant/group_quant.cuh"
@@ -42,19 +40,8 @@ static int occupancy(const DecodeAttnParams& p, DTypeId dtype) {
 #undef KVQ_OCC
 }
 
-// NOTE: KVQ_DECODE_MIN_TILES (minimum mma tiles per warp of the split plan, default 2) is an
-// experiment switch for A/B timing in one process (bench/NOTES.md, session 6).
-static int min_tiles_per_warp() {
-  static const int v = [] {
-    const char* e = std::getenv("KVQ_DECODE_MIN_TILES");
-    const int n = e ? std::atoi(e) : 2;
-    return n >= 1 && n <= 64 ? n : 2;
-  }();
-  return v;
-}
-
 static SplitPlan plan_for(const DecodeAttnParams& p, DTypeId dtype) {
-  return decode_attention_plan(p, quant::num_sms(), occupancy(p, dtype), min_tiles_per_warp());
+  return decode_attention_plan(p, quant::num_sms(), occupancy(p, dtype));
 }
 
 bool decode_attention_gear_cuda_ok(const DecodeAttnParams& p) { return decode_attention_mma_ok(p); }
