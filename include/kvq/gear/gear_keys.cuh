@@ -209,8 +209,13 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
         for (int j = 0; j < NT / 32; ++j) {
           uint32_t m = __ballot_sync(kGkFull, (sel >> j) & 1u);
           while (m != 0u) {  // warp-uniform
-            const uint32_t bit = sub < per ? __fns(m, 0, sub + 1) : 0xffffffffu;  // sub-th selected thread
+            // this lane's thread: the sub-th remaining selected one (sub < per: at most
+            // per - 1 steps; __fns is a ~25-instruction software search on sm_90)
+            uint32_t mm = sub < per ? m : 0u;
+            for (int r = 0; r < sub && mm != 0u; ++r) mm &= mm - 1u;
+            const uint32_t bit = mm != 0u ? (uint32_t)(__ffs(mm) - 1) : 0xffffffffu;
             const int o = (int)bit + 32 * j;
+#pragma unroll 1
             for (int c0 = 0; c0 < tpt; c0 += 32) {  // (one step unless tpt > 32)
               const int tt_ = c0 + off, t = o * tpt + tt_;
               const bool valid = bit != 0xffffffffu && tt_ < tpt && t < T;
