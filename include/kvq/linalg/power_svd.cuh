@@ -209,21 +209,29 @@ __device__ __forceinline__ void pow_gram_dd(const float* X, int ldx, const float
 template <int N>
 __device__ __forceinline__ void pow_chol_orth(const double* G, double tr_rel, double* K) {
   double L[N][N], inv[N], k[N][N];  // L: strictly lower part used
+  // All of G (lower triangle) into registers first, before any branch: written in the
+  // column loop, the shared loads of column c + 1 were scheduled after column c's rsqrt
+  // branch, one shared-load latency per column on the serial chain.
+  double g[N][N];
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int c = 0; c <= i; ++c) g[i][c] = G[i * N + c];
   double tr = 0.0;
 #pragma unroll
-  for (int c = 0; c < N; ++c) tr += G[c * N + c];
+  for (int c = 0; c < N; ++c) tr += g[c][c];
 #pragma unroll
   for (int c = 0; c < N; ++c) {
-    double s = G[c * N + c];
+    double s = g[c][c];
 #pragma unroll
     for (int a = 0; a < c; ++a) s -= L[c][a] * L[c][a];
-    const double own = G[c * N + c];
+    const double own = g[c][c];
     const bool dead = !(tr > 0.0) || !(s > 1e-6 * own) || !(s > tr_rel * tr);
     const double is = dead ? 0.0 : rsqrt(s);
     inv[c] = is;
 #pragma unroll
     for (int i = c + 1; i < N; ++i) {
-      double v = G[i * N + c];
+      double v = g[i][c];
 #pragma unroll
       for (int a = 0; a < c; ++a) v -= L[i][a] * L[c][a];
       L[i][c] = v * is;
