@@ -209,29 +209,21 @@ __device__ __forceinline__ void pow_gram_dd(const float* X, int ldx, const float
 template <int N>
 __device__ __forceinline__ void pow_chol_orth(const double* G, double tr_rel, double* K) {
   double L[N][N], inv[N], k[N][N];  // L: strictly lower part used
-  // All of G (lower triangle) into registers first, before any branch: written in the
-  // column loop, the shared loads of column c + 1 were scheduled after column c's rsqrt
-  // branch, one shared-load latency per column on the serial chain.
-  double g[N][N];
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int c = 0; c <= i; ++c) g[i][c] = G[i * N + c];
   double tr = 0.0;
 #pragma unroll
-  for (int c = 0; c < N; ++c) tr += g[c][c];
+  for (int c = 0; c < N; ++c) tr += G[c * N + c];
 #pragma unroll
   for (int c = 0; c < N; ++c) {
-    double s = g[c][c];
+    double s = G[c * N + c];
 #pragma unroll
     for (int a = 0; a < c; ++a) s -= L[c][a] * L[c][a];
-    const double own = g[c][c];
+    const double own = G[c * N + c];
     const bool dead = !(tr > 0.0) || !(s > 1e-6 * own) || !(s > tr_rel * tr);
     const double is = dead ? 0.0 : rsqrt(s);
     inv[c] = is;
 #pragma unroll
     for (int i = c + 1; i < N; ++i) {
-      double v = g[i][c];
+      double v = G[i * N + c];
 #pragma unroll
       for (int a = 0; a < c; ++a) v -= L[i][a] * L[c][a];
       L[i][c] = v * is;
@@ -785,11 +777,7 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterFinalizeKernel(PowerIter
 //  1. PowerGramKernel, grid (S, N): C of a T-slice on tensor cores (mma.sync m16n8k16,
 //     16-bit products exact, fp32 accumulation), upper-triangle 16x16 blocks only, written
 //     as one packed partial per block (power_gram_packed_floats).  X tiles of 64 rows stream
-//     through an 8-stage cp.async pipeline (rows padded by 8 halfs: conflict-free ldmatrix).
-//     d = 128 needs 134 registers, so one 256-thread block per SM: the bytes in flight per
-//     SM are the block's 7 pending stages (7 x 16 KB = 112 KB; the 4-stage version had
-//     48 KB, ~2 TB/s measured, below the ~60 KB that 4 TB/s x ~2 us loaded latency / 132
-//     SMs needs).  Shared memory: 8 x 17 KB = 139 KB (d = 128), 74 KB (d = 64).
+//     through a 4-stage cp.async pipeline (rows padded by 8 halfs: conflict-free ldmatrix).
 //     Warp w owns the block rows i0 = w % NP and NB-1-i0 (NB + 1 blocks, balanced) and the
 //     k16-steps ks = w / NP (mod KG) of every tile; the KG warp groups are summed in a fixed
 //     order through shared memory (deterministic).
@@ -803,7 +791,7 @@ __global__ void __launch_bounds__(kPowThreads) PowerIterFinalizeKernel(PowerIter
 // Workspace (floats): Bt [N, d, RB] (unused) | W [N, d, RB] | partials [N, S, packed].
 // ---------------------------------------------------------------------------
 constexpr int kGramRows = 64;    // rows per pipeline stage
-constexpr int kGramStages = 8;   // cp.async stages (7 tiles in flight per block)
+constexpr int kGramStages = 4;   // cp.async stages
 
 template <int D>
 struct GramDims {
@@ -817,7 +805,6 @@ struct GramDims {
   static constexpr size_t SMEM = (size_t)kGramStages * STAGE * 2;
   static_assert(NP * KG * 32 == kPowThreads, "warp layout");
   static_assert((size_t)PACK * 4 <= SMEM, "reduction buffer reuses the pipeline");
-  static_assert(SMEM <= 227 * 1024, "pipeline fits the opt-in shared memory of sm_90");
 };
 
 KVQ_HOST_DEVICE constexpr int gram_blk(int i, int j, int NB) {
@@ -1004,14 +991,11 @@ __global__ void __launch_bounds__(kPowThreads, 1) PowerGramKernel(PowerIterParam
 template <typename DType, int D, int RB>
 __global__ void __maxnreg__(224) PowerGramIterateKernel(PowerIterParams p, int64_t S) {
   using GD = GramDims<D>;
-  // M = C B~ layout: warp w sums k in [w KW, (w + 1) KW), lane owns j = lane + 32 q (q < QJ)
-  constexpr int NB = GD::NB, LD = D + 1, PACK = GD::PACK, NW = kPowThreads / 32, KW = D / NW,
-                QJ = D / 32;
-  static_assert(KW * NW == D && QJ * 32 == D, "M = C B~ layout");
+  constexpr int NB = GD::NB, LD = D + 1, PACK = GD::PACK, KS = kPowThreads / D, KL = D / KS;
   extern __shared__ float gram_C[];  // [D, LD]: the full symmetric Gram matrix
   __shared__ float Bs[D * kBStride];
   __shared__ float Ms[D * RB];
-  __shared__ float Mred[NW * RB * D];  // [warp][c][j]
+  __shared__ float Mred[KS * D * RB];
   __shared__ double Gd[RB * RB], Kd[RB * RB], Gtmp[RB * RB];
   __shared__ int s_flag;
   const int64_t n = blockIdx.x, N = p.N;
@@ -1024,16 +1008,13 @@ __global__ void __maxnreg__(224) PowerGramIterateKernel(PowerIterParams p, int64
     float4 acc[VPT];
 #pragma unroll
     for (int i = 0; i < VPT; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-    // Two partials per round: both partials' loads in flight before the adds (same order of
-    // the adds as one partial per round: bit-identical sums).
-    auto load_part = [&](int64_t sp, float4(&v)[VPT]) {
+    for (int64_t sp = 0; sp < S; ++sp) {
+      float4 v[VPT];
 #pragma unroll
       for (int i = 0; i < VPT; ++i) {
         const int e4 = tid + i * kPowThreads;
         v[i] = e4 < P4 ? part4[sp * P4 + e4] : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-    };
-    auto add_part = [&](const float4(&v)[VPT]) {
 #pragma unroll
       for (int i = 0; i < VPT; ++i) {
         acc[i].x += v[i].x;
@@ -1041,19 +1022,6 @@ __global__ void __maxnreg__(224) PowerGramIterateKernel(PowerIterParams p, int64
         acc[i].z += v[i].z;
         acc[i].w += v[i].w;
       }
-    };
-    int64_t sp = 0;
-    for (; sp + 1 < S; sp += 2) {
-      float4 v0[VPT], v1[VPT];
-      load_part(sp, v0);
-      load_part(sp + 1, v1);
-      add_part(v0);
-      add_part(v1);
-    }
-    if (sp < S) {
-      float4 v0[VPT];
-      load_part(sp, v0);
-      add_part(v0);
     }
 #pragma unroll
     for (int i = 0; i < VPT; ++i) {
@@ -1078,41 +1046,26 @@ __global__ void __maxnreg__(224) PowerGramIterateKernel(PowerIterParams p, int64
   pow_init_basis<RB>(Bs, D, p.seed, Gtmp, Kd, &s_flag);  // barriers: gram_C complete
   DType* Bout = static_cast<DType*>(p.B) + n * D * r;
   for (int it = 1; it <= p.iters; ++it) {
-    {  // M = C B~, register blocked: warp w = k-slice of KW rows, lane (j = lane + 32 q)
-       // reads C[k][j] (= C[j][k]) along j (conflict-free) and the B~ row k once for its QJ
-       // j's (broadcast): QJ x RB independent FMA chains of length KW per thread (the
-       // thread-per-(j, half of k) version had RB chains of length D / 2 and one B~ row load
-       // per FMA group: shared-load latency bound at 8 warps per SM, ~2 us per iteration).
-      const int lane = tid & 31, w = tid >> 5;
-      float acc[QJ][RB];
+    {  // M = C B~: thread (j, k-slice), reading C[k][j] (= C[j][k]) along j: conflict-free
+      const int j = tid % D, ks = tid / D;
+      float acc[RB];
 #pragma unroll
-      for (int q = 0; q < QJ; ++q)
+      for (int c = 0; c < RB; ++c) acc[c] = 0.f;
+#pragma unroll 4
+      for (int k = ks * KL; k < ks * KL + KL; ++k) {
+        const float cv = gram_C[k * LD + j];
+        const float* b = Bs + k * kBStride;
 #pragma unroll
-        for (int c = 0; c < RB; ++c) acc[q][c] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < KW; ++kk) {
-        const int k = w * KW + kk;
-        float b[RB];
-#pragma unroll
-        for (int c = 0; c < RB; ++c) b[c] = Bs[k * kBStride + c];
-#pragma unroll
-        for (int q = 0; q < QJ; ++q) {
-          const float cv = gram_C[k * LD + lane + 32 * q];
-#pragma unroll
-          for (int c = 0; c < RB; ++c) acc[q][c] = fmaf(cv, b[c], acc[q][c]);
-        }
+        for (int c = 0; c < RB; ++c) acc[c] = fmaf(cv, b[c], acc[c]);
       }
 #pragma unroll
-      for (int q = 0; q < QJ; ++q)
-#pragma unroll
-        for (int c = 0; c < RB; ++c) Mred[(w * RB + c) * D + lane + 32 * q] = acc[q][c];
+      for (int c = 0; c < RB; ++c) Mred[(ks * D + j) * RB + c] = acc[c];
     }
     __syncthreads();
-    for (int e = tid; e < D * RB; e += kPowThreads) {  // fixed order over the k-slices
-      const int j = e / RB, c = e - j * RB;
+    for (int e = tid; e < D * RB; e += kPowThreads) {
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) sum += Mred[(w * RB + c) * D + j];
+      for (int ks = 0; ks < KS; ++ks) sum += Mred[ks * D * RB + e];
       Ms[e] = sum;
     }
     __syncthreads();
