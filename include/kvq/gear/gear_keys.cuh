@@ -107,7 +107,6 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots + mask_u4);  // [2][NC][NT]
   uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots + mask_u4);   // [2][NC][cap] (aliases exch)
   __shared__ int s_cnt[2][NC];
-  __shared__ uint32_t s_thr[2][NC];   // outlier iff ck >= s_thr[0][c] or ck <= s_thr[1][c]
   __shared__ float s_lo[NC], s_hi[NC];
   __shared__ float s_red[NT / 32][NC][2];
 
@@ -304,10 +303,8 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
             ws[(2 + side) * p.D] = side == 0 ? Kk : ~Kk;
           } else if (side == 0) {
             s_hi[c] = to_float(bv);
-            s_thr[0][c] = Kk;
           } else {
             s_lo[c] = to_float(bv);
-            s_thr[1][c] = ~Kk;
           }
         }
       }
@@ -434,7 +431,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
         // NOTE: code * scale + zero as one FMA, as GearClampQuantResidKernel.
         const float d = xv - __fmaf_rn((float)code, qs[c], qz[c]);
         bool zero = !isfinite(d);
-        // outliers (the entries step 4 stored): ck >= s_thr[0][c] or ck <= s_thr[1][c]
+        // outliers: the entries step 4 stored (marked in omask)
         if constexpr (HK) zero = zero || ((m >> c) & 1u);
         r[c] = __half_as_ushort(__float2half_rn(zero ? 0.f : d));
       }
