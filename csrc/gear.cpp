@@ -193,7 +193,9 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
     c.keys = gear::gear_keys_plan(N, T, D, group_size == -1 ? T : group_size, c.k);
   if (c.keys.ok && c.keys.split && c.k > 0)
     c.keys_sel = at::empty({gear::gear_keys_sel_words(N, D)}, c.x.options().dtype(at::kInt));
-  c.sel = prepare_outlier_select(c.x, c.k, per_channel, /*want_bounds=*/c.k > 0 && !small, op);
+  // clamp bounds as a tensor only for the multi-kernel path: the fused key kernels keep them in
+  // shared memory / keys_sel
+  c.sel = prepare_outlier_select(c.x, c.k, per_channel, /*want_bounds=*/c.k > 0 && !small && !c.keys.ok, op);
   if (check_finite) c.status = at::zeros({1}, c.x.options().dtype(at::kInt));
   if (c.k > 0 && !small && !c.keys.ok) {
     if (!c.cqr) c.xc = at::empty_like(c.x);
@@ -246,7 +248,7 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
   auto& g = c.gear;
   g.x = c.x.data_ptr();
   g.xc = c.xc.defined() ? c.xc.data_ptr() : nullptr;
-  g.bounds = c.k > 0 ? c.sel.bounds.data_ptr<float>() : nullptr;
+  g.bounds = c.sel.bounds.defined() ? c.sel.bounds.data_ptr<float>() : nullptr;
   g.resid = reinterpret_cast<uint16_t*>(c.resid.data_ptr());
   g.ovalues = c.sel.values.data_ptr();
   g.oindices = c.sel.indices.data_ptr();
