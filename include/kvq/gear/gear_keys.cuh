@@ -284,13 +284,19 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
           // o: the thread of rank g = r0 + lane among the selected ones (-1: none)
           int o = -1;
           {
-            int rem = r0 + lane;
+            int rem = r0 + lane, jj = -1;
+            uint32_t mj = 0u;
 #pragma unroll
-            for (int j = 0; j < NT / 32; ++j) {
+            for (int j = 0; j < NT / 32; ++j) {  // chunk of rank g (selects only), then one search
               const int pc = __popc(M[j]);
-              if (o < 0 && rem < pc) o = 32 * j + gk_nth_bit(M[j], rem);
-              rem -= pc;
+              if (jj < 0 && rem < pc) {
+                jj = j;
+                mj = M[j];
+              } else if (jj < 0) {
+                rem -= pc;
+              }
             }
+            if (jj >= 0) o = 32 * jj + gk_nth_bit(mj, rem);
           }
           // pass 1: this thread's tokens: candidate count and (first 32 tokens) bitmask
           const int tb0 = o * tpt;
