@@ -78,6 +78,67 @@ __device__ __forceinline__ uint32_t gk_kth_largest(const F& key_at, int n, int k
   }
   return ans;
 }
+/// \brief gk_kth_largest over keys held in registers: entry i = r * 32 + lane is v[r], valid
+/// iff i < n (padding is never read).  PREFIX: first the warp min / max of the valid keys; the
+/// passes over the bits above their highest differing bit are skipped, ans starting at their
+/// common prefix (every skipped pass would count n or 0 keys: the same ans / have as the full
+/// search, so the same result).  Warp-uniform n, kth (1 <= kth <= n); result in every lane.
+template <int NBITS, bool PREFIX, int R>
+__device__ __forceinline__ uint32_t gk_kth_largest_reg(const uint32_t (&v)[R], int n, int kth, int lane) {
+  static_assert(NBITS >= 1 && NBITS <= 32, "key width");
+  uint32_t ans = 0;
+  int b = NBITS - 1;
+  if constexpr (PREFIX) {
+    uint32_t lo = 0xffffffffu, hi = 0u;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r * 32 + lane < n) {
+        lo = min(lo, v[r]);
+        hi = max(hi, v[r]);
+      }
+    lo = __reduce_min_sync(kGkFull, lo);
+    hi = __reduce_max_sync(kGkFull, hi);
+    const uint32_t d = lo ^ hi;
+    if (d == 0u) return hi;  // all n keys equal
+    b = 31 - __clz(d);
+    ans = b == 31 ? 0u : (hi & (0xffffffffu << (b + 1)));
+  }
+  int have = n;  // keys >= ans (warp-uniform)
+  for (; b >= 0 && have != kth; --b) {
+    const uint32_t cand = ans | (1u << b);
+    int cnt = 0;
+#pragma unroll
+    for (int r = 0; r < R; ++r) cnt += (r * 32 + lane < n && v[r] >= cand) ? 1 : 0;
+    cnt = (int)__reduce_add_sync(kGkFull, (unsigned)cnt);
+    if (cnt >= kth) {
+      ans = cand;
+      have = cnt;
+    }
+  }
+  if (have == kth) {
+    uint32_t m = 0xffffffffu;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (r * 32 + lane < n && v[r] >= ans && v[r] < m) m = v[r];
+    ans = __reduce_min_sync(kGkFull, m);
+  }
+  return ans;
+}
+/// \brief Position of the r-th (0-based) set bit of m; requires r < popc(m) (5 popc steps; the
+/// hardware-less __fns is a longer software search on sm_90).
+__device__ __forceinline__ int gk_nth_bit(uint32_t m, int r) {
+  int pos = 0;
+#pragma unroll
+  for (int w = 16; w >= 1; w >>= 1) {
+    const int c = __popc(m & ((1u << w) - 1u));
+    if (r >= c) {
+      r -= c;
+      m >>= w;
+      pos += w;
+    }
+  }
+  return pos;
+}
 /// \brief Smallest key > K among key_at(0..n) (0xffffffff when none).
 template <class F>
 __device__ __forceinline__ uint32_t gk_min_above(const F& key_at, int n, uint32_t K, int lane) {
@@ -187,49 +248,96 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
     {
       const uint16_t* em = exch + (0 * NC + c) * NT;
       const uint16_t* en = exch + (1 * NC + c) * NT;
+      // this lane's 8 thread maxima / (complemented) minima in registers: r <-> thread lane + 32 r
+      uint32_t vT[NT / 32], vB[NT / 32];
+#pragma unroll
+      for (int j = 0; j < NT / 32; ++j) {
+        vT[j] = em[lane + 32 * j];
+        vB[j] = 0xffffu - (uint32_t)en[lane + 32 * j];
+      }
       // at least kt thread maxima are >= tau_top, hence at least kt entries (bottom alike)
-      const uint32_t tt = gk_kth_largest<16>([&](int i) { return (uint32_t)em[i]; }, NT, kt, lane);
-      const uint32_t tb = 0xffffu - gk_kth_largest<16>([&](int i) { return 0xffffu - (uint32_t)en[i]; }, NT, kt, lane);
+      const uint32_t tt = gk_kth_largest_reg<16, false>(vT, NT, kt, lane);
+      const uint32_t tb = 0xffffu - gk_kth_largest_reg<16, false>(vB, NT, kt, lane);
       uint32_t selT = 0u, selB = 0u;  // bit j: thread lane + 32 j passes tau
 #pragma unroll
       for (int j = 0; j < NT / 32; ++j) {
-        selT |= ((uint32_t)em[lane + 32 * j] >= tt ? 1u : 0u) << j;
-        selB |= ((uint32_t)en[lane + 32 * j] <= tb ? 1u : 0u) << j;
+        selT |= (vT[j] >= tt ? 1u : 0u) << j;
+        selB |= (0xffffu - vB[j] <= tb ? 1u : 0u) << j;
       }
       __syncthreads();  // exch is dead from here on (buf aliases it)
-      const int span = tpt < 32 ? tpt : 32, per = 32 / span;  // threads per warp step
-      const int sub = lane / span, off = lane - sub * span;
       const uint16_t* slab16 = reinterpret_cast<const uint16_t*>(slab);
       for (int side = 0; side < 2; ++side) {
         const uint32_t tau = side == 0 ? tt : tb, sel = side == 0 ? selT : selB;
         uint32_t* b = buf + (side * NC + c) * cap;
+        // the selected threads in token order: chunk masks (thread lane + 32 j) and their counts
+        uint32_t M[NT / 32];
+        int S = 0;
+#pragma unroll
+        for (int j = 0; j < NT / 32; ++j) {
+          M[j] = __ballot_sync(kGkFull, (sel >> j) & 1u);
+          S += __popc(M[j]);
+        }
         int cnt = 0;
 #pragma unroll 1
-        for (int j = 0; j < NT / 32; ++j) {
-          uint32_t m = __ballot_sync(kGkFull, (sel >> j) & 1u);
-          while (m != 0u) {  // warp-uniform
-            // this lane's thread: the sub-th remaining selected one (sub < per: at most
-            // per - 1 steps; __fns is a ~25-instruction software search on sm_90)
-            uint32_t mm = sub < per ? m : 0u;
-            for (int r = 0; r < sub && mm != 0u; ++r) mm &= mm - 1u;
-            const uint32_t bit = mm != 0u ? (uint32_t)(__ffs(mm) - 1) : 0xffffffffu;
-            const int o = (int)bit + 32 * j;
-#pragma unroll 1
-            for (int c0 = 0; c0 < tpt; c0 += 32) {  // (one step unless tpt > 32)
-              const int tt_ = c0 + off, t = o * tpt + tt_;
-              const bool valid = bit != 0xffffffffu && tt_ < tpt && t < T;
-              uint32_t key = 0u;
-              if (valid) key = select::orderable_key16(slab16[gk_slot(t, o, tpt) * 8 + c]);
-              const bool cand = valid && (side == 0 ? key >= tau : key <= tau);
-              const unsigned mm = __ballot_sync(kGkFull, cand);
-              if (cand) {
-                const int pos = cnt + __popc(mm & below);
-                const uint32_t ck = (key << 16) | (0xffffu - (uint32_t)t);
-                if (pos < cap) b[pos] = side == 0 ? ck : ~ck;
+        for (int r0 = 0; r0 < S; r0 += 32) {  // warp-uniform: one selected thread per lane
+          // o: the thread of rank g = r0 + lane among the selected ones (-1: none)
+          int o = -1;
+          {
+            int rem = r0 + lane, jj = -1;
+            uint32_t mj = 0u;
+#pragma unroll
+            for (int j = 0; j < NT / 32; ++j) {  // chunk of rank g (selects only), then one search
+              const int pc = __popc(M[j]);
+              if (jj < 0 && rem < pc) {
+                jj = j;
+                mj = M[j];
+              } else if (jj < 0) {
+                rem -= pc;
               }
-              cnt += __popc(mm);
             }
-            for (int r = 0; r < per && m != 0u; ++r) m &= m - 1u;  // drop the threads just done
+            if (jj >= 0) o = 32 * jj + gk_nth_bit(mj, rem);
+          }
+          // pass 1: this thread's tokens: candidate count and (first 32 tokens) bitmask
+          const int tb0 = o * tpt;
+          const int u1 = o < 0 ? 0 : min(tpt, T - tb0);
+          int lc = 0;
+          uint32_t lm = 0u;
+#pragma unroll 8
+          for (int u = 0; u < u1; ++u) {
+            const int t = tb0 + u;
+            const uint32_t key = select::orderable_key16(slab16[gk_slot(t, o, tpt) * 8 + c]);
+            const bool cand = side == 0 ? key >= tau : key <= tau;
+            lc += cand ? 1 : 0;
+            if (u < 32) lm |= (cand ? 1u : 0u) << u;
+          }
+          // warp exclusive prefix of the counts: lanes are in token order
+          int inc = lc;
+#pragma unroll
+          for (int d = 1; d < 32; d <<= 1) {
+            const int y = __shfl_up_sync(kGkFull, inc, d);
+            if (lane >= d) inc += y;
+          }
+          int pos = cnt + inc - lc;
+          cnt += __shfl_sync(kGkFull, inc, 31);
+          // pass 2: append this thread's candidates in token order
+          while (lm != 0u) {
+            const int u = __ffs(lm) - 1;
+            lm &= lm - 1u;
+            const int t = tb0 + u;
+            const uint32_t key = select::orderable_key16(slab16[gk_slot(t, o, tpt) * 8 + c]);
+            const uint32_t ck = (key << 16) | (0xffffu - (uint32_t)t);
+            if (pos < cap) b[pos] = side == 0 ? ck : ~ck;
+            ++pos;
+          }
+#pragma unroll 1
+          for (int u = 32; u < u1; ++u) {  // (tpt > 32 only)
+            const int t = tb0 + u;
+            const uint32_t key = select::orderable_key16(slab16[gk_slot(t, o, tpt) * 8 + c]);
+            if (side == 0 ? key >= tau : key <= tau) {
+              const uint32_t ck = (key << 16) | (0xffffu - (uint32_t)t);
+              if (pos < cap) b[pos] = side == 0 ? ck : ~ck;
+              ++pos;
+            }
           }
         }
         if (lane == 0) s_cnt[side][c] = cnt;
@@ -248,7 +356,37 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
       for (int side = 0; side < 2; ++side) {
         const int cn = s_cnt[side][c];
         uint32_t Kkt, Kk;
-        if (cn <= cap) {
+        if (cn <= 4 * 32) {
+          // candidates in registers (entry r * 32 + lane); searches as below, prefix start
+          const uint32_t* b = buf + (side * NC + c) * cap;
+          uint32_t v[4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r) v[r] = r * 32 + lane < cn ? b[r * 32 + lane] : 0u;
+          Kkt = gk_kth_largest_reg<32, true>(v, cn, kt, lane);
+          {
+            uint32_t m = 0xffffffffu;
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+              if (r * 32 + lane < cn && v[r] > Kkt && v[r] < m) m = v[r];
+            Kk = __reduce_min_sync(kGkFull, m);  // gk_min_above
+          }
+          int base = 0;
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            if (r * 32 >= cn) break;  // warp-uniform
+            const int i = r * 32 + lane;
+            const bool take = i < cn && v[r] >= Kk;
+            const unsigned m = __ballot_sync(kGkFull, take);
+            if (take) {
+              const int pos = base + __popc(m & below);
+              const uint32_t idx = gk_idx(v[r], side);
+              ovalues[vbase + side * k + pos].bits = (uint16_t)gk_val_bits(v[r], side);
+              oindices[vbase + side * k + pos] = (int16_t)idx;
+              mark((int)idx);
+            }
+            base += __popc(m);
+          }
+        } else if (cn <= cap) {
           const uint32_t* b = buf + (side * NC + c) * cap;
           auto at = [&](int i) { return b[i]; };
           Kkt = gk_kth_largest(at, cn, kt, lane);
