@@ -116,7 +116,7 @@ def _entries(stream, blk_idx, blk):
         else:
             ov, oi, off, od = (x.view()[:, :, j] for x in (stream.ov1, stream.oi1, stream.off1, stream.od1))
         M = ov.shape[-1]
-        e = torch.arange(M).expand(*ov.shape[:2], M).contiguous()
+        e = torch.arange(M, device=ov.device).expand(*ov.shape[:2], M).contiguous()
         tile = torch.searchsorted(off[..., 1:].contiguous().long(), e, right=True)
         pk = oi.long() & 0xFFFF
         return tile * 32 + (pk >> 8), pk & 255, ov, od
@@ -126,18 +126,19 @@ def _entries(stream, blk_idx, blk):
     else:
         ov, oi, od = (x.view()[:, :, j * nb:(j + 1) * nb] for x in (stream.ov1, stream.oi1, stream.od1))
     B, H, _, n = ov.shape
-    t = torch.arange(T).view(1, 1, T, 1).expand(B, H, T, n)
+    t = torch.arange(T, device=ov.device).view(1, 1, T, 1).expand(B, H, T, n)
     return t.reshape(B, H, -1), oi.long().reshape(B, H, -1), ov.reshape(B, H, -1), od.reshape(B, H, -1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset", FUSED)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_stored_corrections(preset, dtype):
+def test_stored_corrections(device, preset, dtype):
     """Every outlier entry of every block (prefill and each streamed decode block, with its own
     factors) carries d = v - xhat in the cache dtype, xhat recomputed here independently by
     kvq.gear_decompress without outliers in fp32 (the value before the outlier overwrite)."""
     B, H, D = 2, 2, 64
-    cache = gear_cache(preset, B, H, 150, D, dtype, "cpu", steps=140)
+    cache = gear_cache(preset, B, H, 150, D, dtype, device, steps=140)
     eps = torch.finfo(dtype).eps
     for role in ("key", "value"):
         st = getattr(cache.layers[0], role)
@@ -254,6 +255,44 @@ def test_cuda_long_matches_cpu(preset, D, dtype):
     ref = kvq.decode_attention(q.cpu(), cpu, 0)
     err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
     assert err < (1.5e-2 if dtype == torch.bfloat16 else 4e-3), err
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", ["gear-2", "outlier-2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_reads_stored_corrections(preset, dtype):
+    """The CUDA kernel applies the stored corrections od (and never reads the exact values ov):
+    garbage in ov changes nothing; scaled corrections give what the CPU op gives with the same
+    operands, and differ from the unscaled result."""
+    B, H, T, D = 2, 2, 1024, 128
+    cache = gear_cache(preset, B, H, T, D, dtype, "cuda", steps=100, seed=3)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    kc, ks, kz, kr, kg = kst.attention_operands()
+    vc, vs, vz, vr, vg = vst.attention_operands()
+    q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
+    scale = D ** -0.5
+
+    def run(kg_, vg_, dev="cuda"):
+        mv = lambda L: [t.to(dev) for t in L]  # noqa: E731
+        args = mv([q, kc, ks, kz, kr, vc, vs, vz, vr])
+        return _ops.decode_attention_gear(*args[:9], None, 2, mv(kg_), mv(vg_), kst.T0,
+                                          kst.config.buffer_length, scale).float().cpu()
+
+    out = run(kg, vg)
+    saved = [t.clone() for t in (kg[2], kg[8], vg[2], vg[8])]
+    for t in (kg[2], kg[8], vg[2], vg[8]):
+        t.fill_(1000.0)  # in place: same strides as the indices
+    torch.testing.assert_close(run(kg, vg), out, rtol=0, atol=0)
+    for t, sv in zip((kg[2], kg[8], vg[2], vg[8]), saved):
+        t.copy_(sv)
+    kg2, vg2 = list(kg), list(vg)
+    for L in (kg2, vg2):
+        for j in (5, 11):
+            L[j] = L[j] * 3  # contiguous copies: own strides
+    got, ref = run(kg2, vg2), run(kg2, vg2, "cpu")
+    err = (got - ref).norm() / ref.norm()
+    assert err < (1.5e-2 if dtype == torch.bfloat16 else 4e-3), err
+    assert (got - out).norm() / out.norm() > 1e-2
 
 
 def _to_cpu(x):

@@ -642,8 +642,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     const uint16_t* s_ka = reinterpret_cast<const uint16_t*>(st + TL::KA_OFF);
     const uint16_t* s_va = reinterpret_cast<const uint16_t*>(st + TL::VA_OFF);
     constexpr int KE = 4;  // key outlier entries per lane loaded ahead of the QK mma
-    uint32_t e_pk[KE];
-    uint16_t e_d[KE];  // fp16 bits of the entries' corrections
+    uint32_t e_w[KE];  // entry: packed index (low 16 bits) | fp16 bits of its correction << 16
     int e_lo = 0, e_hi = 0;
     if constexpr (GEAR) {
       gt = gear_tile(p, t0);
@@ -658,8 +657,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
 #pragma unroll
         for (int m = 0; m < KE; ++m) {
           const int e = e_lo + lane + 32 * m;
-          e_pk[m] = e < e_hi ? (uint32_t)__ldg(oi + e) : 0u;
-          e_d[m] = e < e_hi ? gear_delta_bits(od[e]) : (uint16_t)0;
+          e_w[m] = e < e_hi ? ((uint32_t)(uint16_t)__ldg(oi + e) | ((uint32_t)gear_delta_bits(od[e]) << 16)) : 0u;
         }
       }
     }
@@ -703,7 +701,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         // the entries are cleared (the value path finds the tile zero).
         const DType* od = reinterpret_cast<const DType*>(kg.od);
         const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
-        // slot of an entry: token * DVS + its channel's position in QK mma order
+        // slot of an entry: token * DVS + its channel's position in QK mma order (pk: bits 0..15)
         auto kslot = [&](uint32_t pk) {
           const int tl = (pk >> 8) & (kTile - 1), ch = pk & (D - 1);
           const int cq = ch / (D / 4), l = ch % (D / 4), r = l % PK::CPW;
@@ -712,7 +710,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         };
         uint32_t e_at[KE];
 #pragma unroll
-        for (int m = 0; m < KE; ++m) e_at[m] = e_lo + lane + 32 * m < e_hi ? kslot(e_pk[m]) : 0xffffffffu;
+        for (int m = 0; m < KE; ++m) e_at[m] = e_lo + lane + 32 * m < e_hi ? kslot(e_w[m]) : 0xffffffffu;
         // ldmatrix.x4 rows of this lane: tokens (lane & 7) + 8 ((lane >> 3) & 1), k + 8 (lane >> 4)
         const unsigned ld_base = (unsigned)__cvta_generic_to_shared(
             s_dv + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DVS + 8 * (lane >> 4));
@@ -723,7 +721,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
             if (at >= lo && at < hi) s_dv[at - lo] = v;
           };
 #pragma unroll
-          for (int m = 0; m < KE; ++m) put(e_at[m], e_d[m]);
+          for (int m = 0; m < KE; ++m) put(e_at[m], (uint16_t)(e_w[m] >> 16));
           for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {  // entries beyond the preloaded rounds
             const int e = e0 + lane;
             if (e < e_hi) put(kslot(__ldg(oi + e)), gear_delta_bits(od[e]));
