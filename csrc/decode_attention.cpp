@@ -112,25 +112,27 @@ static int index_bytes(const at::Tensor& t, const std::string& name) {
   return 0;
 }
 
-/// Parse one role's list [A0, B0, ov0, oi0, off0, A1, B1, ov1, oi1, off1] (empty tensors where
-/// absent; off only for keys).
+/// Parse one role's list [A0, B0, ov0, oi0, off0, od0, A1, B1, ov1, oi1, off1, od1] (empty
+/// tensors where absent; off only for keys).  od: the outlier corrections v - xhat (cache dtype,
+/// the shape of ov); the kernels read od, not the exact values ov (checked for shape only).
 static attention::GearKV parse_gear_role(const char* role, const std::vector<at::Tensor>& L, const at::Tensor& q,
                                          bool keys, int64_t B, int64_t H, int64_t D, int64_t T0, int64_t T1,
                                          int64_t nb, bool check_indices) {
   const std::string r(role);
-  KVQ_CHECK_ARG(L.size() == 10, kGearOp, (r + "_gear").c_str(),
-                "must hold 10 tensors [A0, B0, ov0, oi0, off0, A1, B1, ov1, oi1, off1], got ", (int64_t)L.size());
+  KVQ_CHECK_ARG(L.size() == 12, kGearOp, (r + "_gear").c_str(),
+                "must hold 12 tensors [A0, B0, ov0, oi0, off0, od0, A1, B1, ov1, oi1, off1, od1], got ",
+                (int64_t)L.size());
   attention::GearKV g;
   const int64_t nblk1 = nb > 0 ? T1 / nb : 0;
   for (int sg = 0; sg < 2; ++sg) {
     const std::string sfx = std::to_string(sg);
-    const at::Tensor &A = L[5 * sg], &Bf = L[5 * sg + 1], &ov = L[5 * sg + 2], &oi = L[5 * sg + 3],
-                     &off = L[5 * sg + 4];
+    const at::Tensor &A = L[6 * sg], &Bf = L[6 * sg + 1], &ov = L[6 * sg + 2], &oi = L[6 * sg + 3],
+                     &off = L[6 * sg + 4], &od = L[6 * sg + 5];
     const std::string an = r + "_gear A" + sfx, bn = r + "_gear B" + sfx, vn = r + "_gear ov" + sfx,
-                      in = r + "_gear oi" + sfx, fn = r + "_gear off" + sfx;
+                      in = r + "_gear oi" + sfx, fn = r + "_gear off" + sfx, dn = r + "_gear od" + sfx;
     const int64_t tseg = sg == 0 ? T0 : T1, nblk = sg == 0 ? 1 : nblk1, tblk = sg == 0 ? T0 : nb;
     attention::GearSeg& s = g.seg[sg];
-    for (const at::Tensor* t : {&A, &Bf, &ov, &oi, &off})
+    for (const at::Tensor* t : {&A, &Bf, &ov, &oi, &off, &od})
       if (t->numel() > 0 || t->dim() > 1) CHECK_SAME_DEVICE(kGearOp, q, "q", *t, (r + "_gear").c_str());
     // low rank: A [B, H, tseg, r], B [B, H, D, r] (segment 0) or [B, H, nblk, D, r]
     if (A.numel() > 0 && tseg > 0) {
@@ -168,9 +170,16 @@ static attention::GearKV parse_gear_role(const char* role, const std::vector<at:
     CHECK_DIM(kGearOp, ov, vn.c_str(), 4);
     KVQ_CHECK_ARG(ov.stride(3) == 1 && ov.size(0) == B && ov.size(1) == H, kGearOp, vn.c_str(),
                   "must be [B=", B, ", H=", H, ", ...] with a contiguous last dim, got ", ov.sizes());
-    s.ov = ov.data_ptr();
+    KVQ_CHECK_ARG(od.sizes() == ov.sizes(), kGearOp, dn.c_str(), "must hold the outlier corrections v - xhat, ",
+                  "one per entry of '", vn, "' (shape ", ov.sizes(), "), got ", od.sizes());
+    KVQ_CHECK_ARG(od.scalar_type() == q.scalar_type(), kGearOp, dn.c_str(), "must have the dtype of 'q' (",
+                  q.scalar_type(), "), got ", od.scalar_type());
+    KVQ_CHECK_ARG(od.stride(3) == 1 && (keys || od.stride(2) == od.size(3)), kGearOp, dn.c_str(),
+                  "must have contiguous ", keys ? "rows" : "vectors", ", got strides ", od.strides());
+    s.od = od.data_ptr();
     s.oi = oi.data_ptr();
     s.o_sb = ov.stride(0), s.o_sh = ov.stride(1);
+    s.d_sb = od.stride(0), s.d_sh = od.stride(1);
     if (keys) {  // [B, H, nblk, M] sorted by token + off [B, H, nblk, tiles + 1]
       CHECK_DTYPE(kGearOp, oi, in.c_str(), at::kShort);
       CHECK_DTYPE(kGearOp, off, fn.c_str(), at::kInt);
@@ -194,6 +203,7 @@ static attention::GearKV parse_gear_role(const char* role, const std::vector<at:
       s.k = (int)(M / (2 * D));
       s.ibytes = 2;
       s.o_sblk = ov.stride(2);
+      s.d_sblk = od.stride(2);
       s.off = off.data_ptr<int32_t>();
       s.f_sb = off.stride(0), s.f_sh = off.stride(1), s.f_sblk = off.stride(2);
       s.off_len = off.size(3);

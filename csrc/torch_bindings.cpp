@@ -51,8 +51,9 @@ TORCH_LIBRARY(kvq, m) {
         " Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor v_residual, Tensor? mask, int k_bits,"
         " bool k_per_channel, int v_bits, bool v_per_channel, float scale) -> Tensor");
   // GEAR layer: KIVI backbone of every block (keys per channel, values per token, one bit
-  // width) + per role [A0, B0, ov0, oi0, A1, B1, ov1, oi1] (prefill block, then the
-  // concatenated decode blocks of block_tokens each); layout in decode_attention.h.
+  // width) + per role [A0, B0, ov0, oi0, off0, od0, A1, B1, ov1, oi1, off1, od1] (prefill
+  // block, then the concatenated decode blocks of block_tokens each; od: the outliers'
+  // corrections v - xhat, precomputed per block); layout in decode_attention.h.
   m.def("decode_attention_gear(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor k_residual,"
         " Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor v_residual, Tensor? mask, int bits,"
         " Tensor[] k_gear, Tensor[] v_gear, int prefill_tokens, int block_tokens, float scale) -> Tensor");

@@ -97,11 +97,90 @@ def test_outliers_and_low_rank_matter(device):
 
     torch.testing.assert_close(run(kg, vg), out, rtol=0, atol=0)
     e = torch.empty(0, device=device)
-    for drop in ([0, 1, 5, 6], [2, 3, 4, 7, 8, 9]):  # low rank, outliers
+    for drop in ([0, 1, 6, 7], [2, 3, 4, 5, 8, 9, 10, 11]):  # low rank, outliers
         kg2 = [e if j in drop else t for j, t in enumerate(kg)]
         vg2 = [e if j in drop else t for j, t in enumerate(vg)]
         diff = (run(kg2, vg2) - out).norm() / out.norm()
         assert diff > 1e-2, (drop, diff)
+
+
+def _entries(stream, blk_idx, blk):
+    """Flat (t, c, v, d) of block ``blk_idx`` of a stream in its stored layout (keys: sorted by
+    token, tile offsets; values: per token), t within the block."""
+    kt = stream.T0 and blk_idx == 0
+    j = blk_idx - (1 if stream.T0 else 0)
+    T = blk.shape[2]
+    if stream.spec.per_channel:  # keys: [B, H, 1, M]
+        if kt:
+            ov, oi, off, od = stream.ov0[:, :, 0], stream.oi0[:, :, 0], stream.off0[:, :, 0], stream.od0[:, :, 0]
+        else:
+            ov, oi, off, od = (x.view()[:, :, j] for x in (stream.ov1, stream.oi1, stream.off1, stream.od1))
+        M = ov.shape[-1]
+        e = torch.arange(M, device=ov.device).expand(*ov.shape[:2], M).contiguous()
+        tile = torch.searchsorted(off[..., 1:].contiguous().long(), e, right=True)
+        pk = oi.long() & 0xFFFF
+        return tile * 32 + (pk >> 8), pk & 255, ov, od
+    nb = stream.config.buffer_length
+    if kt:
+        ov, oi, od = stream.ov0, stream.oi0, stream.od0
+    else:
+        ov, oi, od = (x.view()[:, :, j * nb:(j + 1) * nb] for x in (stream.ov1, stream.oi1, stream.od1))
+    B, H, _, n = ov.shape
+    t = torch.arange(T, device=ov.device).view(1, 1, T, 1).expand(B, H, T, n)
+    return t.reshape(B, H, -1), oi.long().reshape(B, H, -1), ov.reshape(B, H, -1), od.reshape(B, H, -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", FUSED)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_stored_corrections(device, preset, dtype):
+    """Every outlier entry of every block (prefill and each streamed decode block, with its own
+    factors) carries d = v - xhat in the cache dtype, xhat recomputed here independently by
+    kvq.gear_decompress without outliers in fp32 (the value before the outlier overwrite)."""
+    B, H, D = 2, 2, 64
+    cache = gear_cache(preset, B, H, 150, D, dtype, device, steps=140)
+    eps = torch.finfo(dtype).eps
+    for role in ("key", "value"):
+        st = getattr(cache.layers[0], role)
+        blocks = st.blocks
+        assert st.T0 and len(blocks) >= 3  # prefill + at least 2 decode blocks
+        for bi, blk in enumerate(blocks):
+            f = blk.fields
+            ov, oi = f["outlier_values"], f["outlier_indices"]
+            xhat = _ops.gear_decompress(f["codes"], f["scale"], f["zero"], ov[..., :0].float(),
+                                        oi[..., :0].contiguous(), f["A"], f["B"], st.spec.bits,
+                                        st.spec.per_channel, torch.float32)
+            t, c, v, d = _entries(st, bi, blk)
+            assert d.dtype == dtype and d.shape == v.shape
+            if preset == "gearl-2":
+                assert d.numel() == 0
+                continue
+            assert d.numel() > 0
+            xe = xhat.reshape(B, H, -1).gather(2, t * D + c)
+            exp = v.float() - xe
+            # rounding of d to the cache dtype (plus fp32 order effects far below it)
+            torch.testing.assert_close(d.float(), exp, rtol=eps, atol=1e-6)
+            # xhat + d gives the exact value back up to d's rounding
+            assert ((xe + d.float()) - v.float()).abs().max() <= eps * exp.abs().max() + 1e-6
+            # and the exact values are those decompress() restores
+            full = blk.decompress().reshape(B, H, -1).gather(2, t * D + c)
+            assert torch.equal(full, v)
+
+
+def test_corrections_rebuilt_from_old_state():
+    """A state dict saved before the corrections were stored gets them recomputed on load."""
+    cache = gear_cache("gear-2", 1, 2, 150, 64, torch.float16, "cpu", steps=140)
+    sd = cache.state_dict()
+    old = {k: v for k, v in sd.items() if not (k.endswith("od0") or k.endswith("od1"))}
+    assert len(old) < len(sd)
+    other = kvq.KVCache("gear-2")
+    other.load_state_dict(old)
+    for role in ("key", "value"):
+        a, b = getattr(cache.layers[0], role), getattr(other.layers[0], role)
+        assert torch.equal(a.od0, b.od0) and torch.equal(a.od1.view(), b.od1.view())
+    assert other.nbytes == cache.nbytes
+    q = torch.randn(1, 4, 64, dtype=torch.float16)
+    torch.testing.assert_close(kvq.decode_attention(q, other, 0), kvq.decode_attention(q, cache, 0), rtol=0, atol=0)
 
 
 def test_kcvt_backbone_falls_back():
@@ -123,7 +202,19 @@ def test_bad_input(device):
         return _ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_, t0, nb, 0.1)
 
     with pytest.raises(RuntimeError, match="k_gear"):
-        call(kg_=kg[:9])
+        call(kg_=kg[:11])
+    with pytest.raises(RuntimeError, match="12 tensors"):
+        call(kg_=kg[:5] + kg[6:11])  # the 10-tensor list of before the corrections
+    e = torch.empty(0, device=device)
+    for j, name in ((5, "k_gear od0"), (11, "k_gear od1")):  # outliers without their corrections
+        bad = list(kg)
+        bad[j] = e
+        with pytest.raises(RuntimeError, match=name):
+            call(kg_=bad)
+    bad = list(vg)
+    bad[11] = bad[11].float()
+    with pytest.raises(RuntimeError, match="v_gear od1"):
+        call(vg_=bad)
     with pytest.raises(RuntimeError, match="prefill_tokens"):
         call(t0=100)
     with pytest.raises(RuntimeError, match="block_tokens"):
@@ -137,16 +228,16 @@ def test_bad_input(device):
     with pytest.raises(RuntimeError, match="k_gear oi0"):
         call(kg_=bad)
     if device == "cpu":
-        saved = kg[9].clone()
-        kg[9].fill_(5)  # tile offsets that do not start at 0 (same strides)
+        saved = kg[10].clone()
+        kg[10].fill_(5)  # tile offsets that do not start at 0 (same strides)
         with pytest.raises(RuntimeError, match="k_gear off1"):
             call()
-        kg[9].copy_(saved)
-        saved = vg[8].clone()
-        vg[8].fill_(200)  # value outlier channels beyond D
+        kg[10].copy_(saved)
+        saved = vg[9].clone()
+        vg[9].fill_(200)  # value outlier channels beyond D
         with pytest.raises(RuntimeError, match="outside"):
             call()
-        vg[8].copy_(saved)
+        vg[9].copy_(saved)
 
 
 @requires_cuda
@@ -164,6 +255,44 @@ def test_cuda_long_matches_cpu(preset, D, dtype):
     ref = kvq.decode_attention(q.cpu(), cpu, 0)
     err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
     assert err < (1.5e-2 if dtype == torch.bfloat16 else 4e-3), err
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", ["gear-2", "outlier-2"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_reads_stored_corrections(preset, dtype):
+    """The CUDA kernel applies the stored corrections od (and never reads the exact values ov):
+    garbage in ov changes nothing; scaled corrections give what the CPU op gives with the same
+    operands, and differ from the unscaled result."""
+    B, H, T, D = 2, 2, 1024, 128
+    cache = gear_cache(preset, B, H, T, D, dtype, "cuda", steps=100, seed=3)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    kc, ks, kz, kr, kg = kst.attention_operands()
+    vc, vs, vz, vr, vg = vst.attention_operands()
+    q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
+    scale = D ** -0.5
+
+    def run(kg_, vg_, dev="cuda"):
+        mv = lambda L: [t.to(dev) for t in L]  # noqa: E731
+        args = mv([q, kc, ks, kz, kr, vc, vs, vz, vr])
+        return _ops.decode_attention_gear(*args[:9], None, 2, mv(kg_), mv(vg_), kst.T0,
+                                          kst.config.buffer_length, scale).float().cpu()
+
+    out = run(kg, vg)
+    saved = [t.clone() for t in (kg[2], kg[8], vg[2], vg[8])]
+    for t in (kg[2], kg[8], vg[2], vg[8]):
+        t.fill_(1000.0)  # in place: same strides as the indices
+    torch.testing.assert_close(run(kg, vg), out, rtol=0, atol=0)
+    for t, sv in zip((kg[2], kg[8], vg[2], vg[8]), saved):
+        t.copy_(sv)
+    kg2, vg2 = list(kg), list(vg)
+    for L in (kg2, vg2):
+        for j in (5, 11):
+            L[j] = L[j] * 3  # contiguous copies: own strides
+    got, ref = run(kg2, vg2), run(kg2, vg2, "cpu")
+    err = (got - ref).norm() / ref.norm()
+    assert err < (1.5e-2 if dtype == torch.bfloat16 else 4e-3), err
+    assert (got - out).norm() / out.norm() > 1e-2
 
 
 def _to_cpu(x):

@@ -324,7 +324,8 @@ def test_stream_equals_blockwise(name):
     assert cache.get_seq_length(0) == prefill + steps
     # the cache's bytes are its blocks' (each checked against the formula elsewhere) plus
     # the full-precision buffer, except that the stream keeps key outlier indices sorted by
-    # token for decode attention: int16 (token mod 32, channel) plus int32 tile offsets
+    # token for decode attention: int16 (token mod 32, channel) plus int32 tile offsets, and
+    # (KIVI backbone) every outlier entry's correction d = v - xhat in the cache dtype
     nbytes = lambda t: 0 if t is None else t.numel() * t.element_size()  # noqa: E731
     expect = 0
     for s in (cache.layers[0].key, cache.layers[0].value):
@@ -332,6 +333,12 @@ def test_stream_equals_blockwise(name):
         if s._tile_sorted:
             expect -= sum(nbytes(b.outlier_indices) for b in s.blocks)
             expect += sum(nbytes(t) for t in (s.oi0, s.off0, s.oi1.view(), s.off1.view()))
+        if cfg.backbone == "kivi":
+            nd = sum(nbytes(b.outlier_values) for b in s.blocks)  # one correction per entry
+            assert nbytes(s.od0) + nbytes(s.od1.view()) == nd
+            expect += nd
+        else:
+            assert s.od0 is None and s.od1.view() is None
     assert cache.nbytes == expect
 
 

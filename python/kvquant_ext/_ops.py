@@ -259,9 +259,12 @@ def decode_attention_gear(q, k_codes, k_scale, k_zero, k_residual, v_codes, v_sc
                           block_tokens: int, scale: float) -> torch.Tensor:
     """Decode attention over a GEAR layer (KIVI backbone): the backbone operands of
     :func:`decode_attention_gq` (keys per channel, values per token, one bit width) plus per
-    role ``[A0, B0, ov0, oi0, A1, B1, ov1, oi1]``: low-rank factors and outliers of the
+    role ``[A0, B0, ov0, oi0, off0, od0, A1, B1, ov1, oi1, off1, od1]``: low-rank factors,
+    outliers (exact values ``ov``, indices ``oi``, key tile offsets ``off``) and the outliers'
+    precomputed corrections ``od = v - xhat`` (cache dtype, the shape of ``ov``) of the
     prefill block (``prefill_tokens`` tokens) and of the concatenated decode blocks
-    (``block_tokens`` each).  Low rank and outliers are applied inside the kernel."""
+    (``block_tokens`` each); see ``GEARStream.attention_operands``.  Low rank and corrections
+    are applied inside the kernel (``ov`` is checked but not read)."""
     return torch.ops.kvq.decode_attention_gear.default(
         q, k_codes, k_scale, k_zero, k_residual, v_codes, v_scale, v_zero, v_residual, mask,
         bits, k_gear, v_gear, prefill_tokens, block_tokens, scale)

@@ -167,7 +167,7 @@ def _gear_fused_ok(kst, vst, q) -> bool:
         for name, t in st.tensors().items():
             if name == "buffer" or t is None or not t.numel():
                 continue
-            blocked = name == "B1" or (st.spec.per_channel and name[:2] in ("ov", "oi", "of"))
+            blocked = name == "B1" or (st.spec.per_channel and name[:2] in ("ov", "oi", "of", "od"))
             if not _aligned16(t, 3 if blocked else 2):
                 return False
     return True

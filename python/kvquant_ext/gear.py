@@ -87,11 +87,12 @@ class GEARCompressed(Compressed):
         return d
 
 
-def _tile_sort(ov: torch.Tensor, oi: torch.Tensor, T: int):
+def _tile_sort(ov: torch.Tensor, oi: torch.Tensor, T: int, od: Optional[torch.Tensor] = None):
     """Key outliers of one block, per channel (``[B, H, D, 2k]``, index = token) -> sorted by
     token: values ``[B, H, 1, M]``, packed ``(token mod 32) << 8 | channel`` int16
     ``[B, H, 1, M]`` and per 32-token tile offsets ``[B, H, 1, P]`` int32 (first entry of
-    each tile, then M; P = ceil((tiles + 1) / 4)·4 + 4)."""
+    each tile, then M; P = ceil((tiles + 1) / 4)·4 + 4); with ``od`` (the entries'
+    corrections, same layout as ``ov``) also those, in the same order (a fourth output)."""
     B, H, D, n = ov.shape
     t = oi.long()
     c = torch.arange(D, device=ov.device).view(1, 1, D, 1).expand_as(t)
@@ -107,7 +108,49 @@ def _tile_sort(ov: torch.Tensor, oi: torch.Tensor, T: int):
     counts = torch.zeros(B, H, P, dtype=torch.int64, device=ov.device)
     counts.scatter_add_(2, ts // 32 + 1, torch.ones_like(ts))
     off = counts.cumsum(2).to(torch.int32)
-    return vals.unsqueeze(2), packed.unsqueeze(2), off.unsqueeze(2)
+    out = (vals.unsqueeze(2), packed.unsqueeze(2), off.unsqueeze(2))
+    if od is None:
+        return out
+    return (*out, od.reshape(B, H, -1).gather(2, order).unsqueeze(2))
+
+
+def outlier_corrections(f: Dict[str, torch.Tensor], per_channel: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Correction ``d = v - xhat`` of every outlier entry of one block, in the layout of
+    ``f["outlier_values"]`` (``[B, H, V, 2k]``; V = channels for per-channel keys, whose
+    indices are tokens, tokens for values, whose indices are channels), in ``dtype`` (the cache
+    dtype).  ``xhat`` is what ``kvq.gear_decompress`` computes at that position before the
+    outlier overwrite, in fp32 and before its rounding to the cache dtype: ``code * scale +
+    zero`` plus ``A[t] . B[c]`` accumulated over the ranks in order.  Only the entries are
+    touched (O(entries * rank)), so this runs once per compressed block, not per decode step;
+    ``kvq.decode_attention_gear`` adds ``d`` to its own ``xhat`` instead of recomputing it."""
+    ov, oi = f["outlier_values"], f["outlier_indices"]
+    if ov.shape[-1] == 0:
+        return torch.empty(ov.shape, dtype=dtype, device=ov.device)
+    codes, scale, zero, A, Bf = f["codes"], f["scale"], f["zero"], f["A"], f["B"]
+    B, H, V, n = ov.shape
+    T, W = codes.shape[2], codes.shape[3]
+    D = Bf.shape[2]
+    bits = W * 32 // D
+    cpw = 32 // bits
+    idx = oi.long()
+    pos = torch.arange(V, device=ov.device).view(1, 1, V, 1).expand(B, H, V, n)
+    t, c = (idx, pos) if per_channel else (pos, idx)
+    t, c = t.reshape(B, H, -1), c.reshape(B, H, -1)
+    word = codes.reshape(B, H, -1).gather(2, t * W + torch.div(c, cpw, rounding_mode="floor"))
+    code = torch.bitwise_and(torch.bitwise_right_shift(word, (c % cpw) * bits), (1 << bits) - 1)
+    if per_channel:  # scale [B, H, T / G, D]
+        G = T // scale.shape[2]
+        si = torch.div(t, G, rounding_mode="floor") * D + c
+    else:            # scale [B, H, T, D / G]
+        ng = scale.shape[3]
+        si = t * ng + torch.div(c, D // ng, rounding_mode="floor")
+    x = code.float() * scale.reshape(B, H, -1).gather(2, si).float()
+    x = x + zero.reshape(B, H, -1).gather(2, si).float()
+    r = A.shape[-1]
+    Af, Bff = A.reshape(B, H, -1), Bf.reshape(B, H, -1)
+    for j in range(r):
+        x = x + Af.gather(2, t * r + j).float() * Bff.gather(2, c * r + j).float()
+    return (ov.reshape(B, H, -1).float() - x).to(dtype).reshape(B, H, V, n)
 
 
 def _per_channel(vals: torch.Tensor, packed: torch.Tensor, off: torch.Tensor, D: int, T: int):
@@ -140,14 +183,18 @@ class GEARStream(Stream):
     the KIVI backbone sorted by token for the kernel:
     ``ov``/``oi`` ``[B, H, nblk, M]`` (M = D·2k entries per block; ``oi`` int16
     ``(token mod 32) << 8 | channel``) and ``off`` ``[B, H, nblk, tiles + 1]`` int32, the
-    first entry of each 32-token tile.  ``blocks`` gives per-block :class:`GEARCompressed`
-    views (backbone and factors without copies; key outliers converted back per channel).
+    first entry of each 32-token tile.  With the KIVI backbone every outlier entry also
+    carries its correction ``od`` (``od0`` / ``od1``, the layout and dtype of ``ov``):
+    ``v - xhat`` (:func:`outlier_corrections`), which ``kvq.decode_attention_gear`` adds
+    instead of recomputing ``xhat`` at every decode step; counted in ``nbytes``.
+    ``blocks`` gives per-block :class:`GEARCompressed` views (backbone and factors without
+    copies; key outliers converted back per channel; no corrections).
 
     The prefill block covers the longest prefix of whole KIVI groups (``T - T mod G``) for
     keys *and* values, so both roles have the same block boundaries; the rest waits in the
     full-precision ``buffer`` with the decode tokens."""
 
-    _SEG = ("A0", "B0", "ov0", "oi0", "off0")
+    _SEG = ("A0", "B0", "ov0", "oi0", "off0", "od0")
 
     def __init__(self, config: GEARConfig, role: str, *, check_finite: bool = True):
         super().__init__()
@@ -155,8 +202,8 @@ class GEARStream(Stream):
         self.spec = config.spec(role)
         self.codes, self.scale, self.zero = Growable(), Growable(), Growable()
         self.A1, self.B1, self.ov1, self.oi1 = Growable(), Growable(), Growable(), Growable()
-        self.off1 = Growable()
-        self.A0 = self.B0 = self.ov0 = self.oi0 = self.off0 = None
+        self.off1, self.od1 = Growable(), Growable()
+        self.A0 = self.B0 = self.ov0 = self.oi0 = self.off0 = self.od0 = None
         self.T0 = 0         # tokens of the prefill block (0: none)
         self.num_decode_blocks = 0
         self.buffer: Optional[torch.Tensor] = None
@@ -168,6 +215,11 @@ class GEARStream(Stream):
         """Key outliers are stored sorted by token (for kvq.decode_attention_gear, which takes
         the KIVI backbone only); KCVT-backbone streams keep them per channel."""
         return self.spec.per_channel and self.config.backbone == "kivi"
+
+    @property
+    def _fused(self) -> bool:
+        """Layout for kvq.decode_attention_gear (KIVI backbone): outlier corrections stored."""
+        return self.config.backbone == "kivi"
 
     @property
     def prefill_align(self) -> int:
@@ -189,15 +241,16 @@ class GEARStream(Stream):
         for name in ("codes", "scale", "zero"):
             getattr(self, name).append(f[name])
         ov, oi, off = f["outlier_values"], f["outlier_indices"], None
+        od = outlier_corrections(f, self.spec.per_channel, x.dtype) if self._fused else None
         if self.spec.per_channel:
             if self._tile_sorted:  # keys for the fused kernel: sorted by token, tile offsets
-                ov, oi, off = _tile_sort(ov, oi, x.shape[2])
+                ov, oi, off, od = _tile_sort(ov, oi, x.shape[2], od)
             else:                  # KCVT backbone (no fused kernel): per channel, one set per block
                 ov, oi = ov.unsqueeze(2), oi.unsqueeze(2)
         if self.T0 == 0 and self.num_decode_blocks == 0 and not self.prefilled:
             self.T0 = x.shape[2]
             self.A0, self.B0 = f["A"], f["B"]
-            self.ov0, self.oi0, self.off0 = ov, oi, off
+            self.ov0, self.oi0, self.off0, self.od0 = ov, oi, off, od
             return
         self.num_decode_blocks += 1
         self.A1.append(f["A"])
@@ -206,6 +259,8 @@ class GEARStream(Stream):
         self.oi1.append(oi)
         if off is not None:
             self.off1.append(off)
+        if od is not None:
+            self.od1.append(od)  # the layout of ov
 
     def append(self, x, name="x"):
         self._check(x, name)
@@ -301,7 +356,8 @@ class GEARStream(Stream):
     def attention_operands(self):
         """Operands of ``kvq.decode_attention_gear`` for this role: the backbone
         ``(codes, scale, zero, residual)`` and the GEAR list
-        ``[A0, B0, ov0, oi0, off0, A1, B1, ov1, oi1, off1]`` (empty tensors where absent)."""
+        ``[A0, B0, ov0, oi0, off0, od0, A1, B1, ov1, oi1, off1, od1]`` (empty tensors where
+        absent)."""
         B, H, D = self._shape
         dev, spec = self.device, self.spec
         codes = self.codes.view()
@@ -313,15 +369,16 @@ class GEARStream(Stream):
             scale, zero = self.scale.view(), self.zero.view()
         residual = self.buffer if self.buffer is not None else self._empty()
         e = torch.empty(0, device=dev)
-        gear = [self.A0, self.B0, self.ov0, self.oi0, self.off0, self.A1.view(), self.B1.view(),
-                self.ov1.view(), self.oi1.view(), self.off1.view()]
+        gear = [self.A0, self.B0, self.ov0, self.oi0, self.off0, self.od0, self.A1.view(),
+                self.B1.view(), self.ov1.view(), self.oi1.view(), self.off1.view(), self.od1.view()]
         return codes, scale, zero, residual, [e if t is None else t for t in gear]
 
     def tensors(self):
         return {"codes": self.codes.view(), "scale": self.scale.view(), "zero": self.zero.view(),
                 "A0": self.A0, "B0": self.B0, "ov0": self.ov0, "oi0": self.oi0, "off0": self.off0,
-                "A1": self.A1.view(), "B1": self.B1.view(), "ov1": self.ov1.view(),
-                "oi1": self.oi1.view(), "off1": self.off1.view(), "buffer": self.buffer}
+                "od0": self.od0, "A1": self.A1.view(), "B1": self.B1.view(), "ov1": self.ov1.view(),
+                "oi1": self.oi1.view(), "off1": self.off1.view(), "od1": self.od1.view(),
+                "buffer": self.buffer}
 
     # -- state ------------------------------------------------------------------
     def state_dict(self):
@@ -339,7 +396,22 @@ class GEARStream(Stream):
         self.buffer = state["buffer"]
         prefilled, self.T0, self.num_decode_blocks = (int(v) for v in state["meta"].reshape(-1)[:3])
         self.prefilled = bool(prefilled)
-        for name in ("codes", "scale", "zero", "A1", "B1", "ov1", "oi1", "off1"):
+        for name in ("codes", "scale", "zero", "A1", "B1", "ov1", "oi1", "off1", "od1"):
             getattr(self, name).reset(state.get(name))
         for name in self._SEG:
             setattr(self, name, state.get(name))
+        if self._fused and self.compressed_len and "od0" not in state and "od1" not in state:
+            self._rebuild_corrections()  # a state saved before the corrections were stored
+
+    def _rebuild_corrections(self) -> None:
+        """Recompute ``od0`` / ``od1`` from the stored blocks (same values as at compression)."""
+        self.od0, self.od1 = None, Growable()
+        for j, blk in enumerate(self.blocks):
+            f = blk.fields
+            od = outlier_corrections(f, self.spec.per_channel, self.dtype)
+            if self._tile_sorted:
+                od = _tile_sort(f["outlier_values"], f["outlier_indices"], blk.shape[2], od)[3]
+            if j == 0 and self.T0:
+                self.od0 = od
+            else:
+                self.od1.append(od)

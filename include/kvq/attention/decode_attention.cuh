@@ -20,6 +20,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "kvq/attention/decode_attention.h"
 
 namespace kvq {
@@ -132,7 +134,7 @@ __device__ __forceinline__ void warp_copy_async(void* dst, const void* src, int 
 /// Byte layout of one 32-token tile in shared memory (KPC: keys grouped per channel; GEAR:
 /// plus the tile's rows of the key and value low-rank factors A (up to 8 fp16 columns), a
 /// 32-byte window of the key outlier tile offsets, and the tile's value outliers (up to 8
-/// per token: values of VB bytes, uint8 channels)).
+/// per token: corrections v - xhat of VB bytes, uint8 channels)).
 template <int D, int BITS, bool KPC, bool GEAR = false, int VB = 2>
 struct TileLayout {
   static constexpr int CODES = kTile * D * BITS / 8;             // K or V codes of the tile
@@ -204,9 +206,10 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // GEAR layer (decode_attention.h, GearSeg), added without forming the dense correction:
 //   scores  += A_k[t] . (q B_k)                  one extra mma per 16 tokens
 //   output  += (sum_t p_t A_v[t]) B_v^T           U accumulated by mma, flushed per block
-//   outliers: key entry (t, c, v): score_t += q_c (v - Khat[t, c]); value entry (t, c, v):
-//   out_c += p_t (v - Vhat[t, c]), Khat / Vhat = backbone + low rank at that position
-//   (decompression overwrites the entry).  Key entries are stored sorted by token with
+//   outliers: key entry (t, c, d): score_t += q_c d; value entry (t, c, d): out_c += p_t d,
+//   d = v - Khat[t, c] (or v - Vhat[t, c]), Khat / Vhat = backbone + low rank at that position
+//   (decompression overwrites the entry), precomputed once per block by the cache layer and
+//   stored next to each entry (GearSeg::od).  Key entries are stored sorted by token with
 //   per-tile offsets, so a tile's entries are one contiguous range (lanes take one entry
 //   each); value entries are the 2k entries of each token (lane = token).  Both kinds of
 //   correction are written (fp16) into a per-warp dense tile of 16 tokens x D, in the order of
@@ -243,7 +246,7 @@ __device__ __forceinline__ GearTile gear_tile(const DecodeAttnParams& p, int64_t
 struct GearSegView {
   const uint16_t* A;    // [T_seg, r]
   const uint16_t* Bf;   // [D, r] of the block
-  const char* ov;       // outlier values of the (batch, head[, block]) (bytes)
+  const char* od;       // outlier corrections of the (batch, head[, block]) (bytes)
   const char* oi;       // outlier indices
   const int32_t* off;   // keys: tile offsets of the block
   int r, k, ibytes;
@@ -256,21 +259,26 @@ __device__ __forceinline__ GearSegView gear_seg(const GearKV& g, int64_t b, int6
   v.A = KVQ_SEL(A) + b * KVQ_SEL(A_sb) + h * KVQ_SEL(A_sh);
   v.Bf = KVQ_SEL(Bf) + b * KVQ_SEL(B_sb) + h * KVQ_SEL(B_sh) + (int64_t)blk * KVQ_SEL(B_sblk);
   const int64_t o = b * KVQ_SEL(o_sb) + h * KVQ_SEL(o_sh) + (int64_t)blk * KVQ_SEL(o_sblk);
-  v.ov = static_cast<const char*>(KVQ_SEL(ov)) + o * (int64_t)sizeof(DType);
+  const int64_t d = b * KVQ_SEL(d_sb) + h * KVQ_SEL(d_sh) + (int64_t)blk * KVQ_SEL(d_sblk);
+  v.od = static_cast<const char*>(KVQ_SEL(od)) + d * (int64_t)sizeof(DType);
   v.oi = static_cast<const char*>(KVQ_SEL(oi)) + o * v.ibytes;
   v.off = KVQ_SEL(off) + b * KVQ_SEL(f_sb) + h * KVQ_SEL(f_sh) + (int64_t)blk * KVQ_SEL(f_sblk);
 #undef KVQ_SEL
   return v;
 }
+/// fp16 bits of an outlier correction stored in the cache dtype (the dense correction tile is fp16).
+template <typename DType>
+__device__ __forceinline__ uint16_t gear_delta_bits(DType d) {
+  if constexpr (std::is_same<DType, half_t>::value) {
+    return d.bits;
+  } else {
+    const __half x = __float2half_rn(to_float(d));
+    return *reinterpret_cast<const uint16_t*>(&x);
+  }
+}
 __device__ __forceinline__ int gear_idx(const char* oi, int ibytes, int j) {
   return ibytes == 1 ? (int)reinterpret_cast<const uint8_t*>(oi)[j]
                      : ibytes == 2 ? (int)reinterpret_cast<const int16_t*>(oi)[j] : reinterpret_cast<const int32_t*>(oi)[j];
-}
-/// A[t] . B[c] of a segment view (t: row of the tile's A rows in shared memory).
-__device__ __forceinline__ float gear_lr(const uint16_t* s_a, int tl, const uint16_t* Bf, int c, int r) {
-  float acc = 0.f;
-  for (int j = 0; j < r; ++j) acc += half_bits_to_float(s_a[tl * r + j]) * half_bits_to_float(__ldg(Bf + c * r + j));
-  return acc;
 }
 /// Runs f() on every active lane with plain shared-memory read-modify-writes instead of
 /// atomics (fp32 shared atomics are CAS loops on sm_90): lanes whose `key` (the address they
@@ -456,7 +464,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   const uint32_t v_sel1 = (uint32_t)(v_by1 | (v_by1 << 4) | ((4 + v_by1) << 8) | ((4 + v_by1) << 12));
   const uint32_t v_m0 = PK::MASK << v_off0, v_m1 = PK::MASK << v_off1;
   const int kgroup = (int)K.group;
-  const int v_lg = 31 - __clz((int)V.group);
 
   // ---- GEAR state (see GearScratch) ----
   using GS = GearScratch;
@@ -521,7 +528,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           warp_copy_async<32>(st + TL::KO_OFF, kg.off + ((gt.tb0 / kTile) & ~3), 32, lane);
         if (vg.k > 0 && vg.k * 2 <= TL::VO_MAX) {
           const int n = kTile * 2 * vg.k;
-          warp_copy_async<TL::VOV_BYTES>(st + TL::VOV_OFF, vg.ov + (int64_t)gt.ts0 * 2 * vg.k * (int)sizeof(DType),
+          warp_copy_async<TL::VOV_BYTES>(st + TL::VOV_OFF, vg.od + (int64_t)gt.ts0 * 2 * vg.k * (int)sizeof(DType),
                                          n * (int)sizeof(DType), lane);
           warp_copy_async<TL::VOI_BYTES>(st + TL::VOI_OFF, vg.oi + (int64_t)gt.ts0 * 2 * vg.k, n, lane);
         }
@@ -635,8 +642,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     const uint16_t* s_ka = reinterpret_cast<const uint16_t*>(st + TL::KA_OFF);
     const uint16_t* s_va = reinterpret_cast<const uint16_t*>(st + TL::VA_OFF);
     constexpr int KE = 4;  // key outlier entries per lane loaded ahead of the QK mma
-    uint32_t e_pk[KE];
-    float e_val[KE];
+    uint32_t e_w[KE];  // entry: packed index (low 16 bits) | fp16 bits of its correction << 16
     int e_lo = 0, e_hi = 0;
     if constexpr (GEAR) {
       gt = gear_tile(p, t0);
@@ -646,13 +652,12 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         const int32_t* s_ko = reinterpret_cast<const int32_t*>(st + TL::KO_OFF);
         const int j = (gt.tb0 / kTile) & 3;
         e_lo = s_ko[j], e_hi = s_ko[j + 1];
-        const DType* ov = reinterpret_cast<const DType*>(kg.ov);
+        const DType* od = reinterpret_cast<const DType*>(kg.od);
         const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
 #pragma unroll
         for (int m = 0; m < KE; ++m) {
           const int e = e_lo + lane + 32 * m;
-          e_pk[m] = e < e_hi ? (uint32_t)__ldg(oi + e) : 0u;
-          e_val[m] = e < e_hi ? to_float(ov[e]) : 0.f;
+          e_w[m] = e < e_hi ? ((uint32_t)(uint16_t)__ldg(oi + e) | ((uint32_t)gear_delta_bits(od[e]) << 16)) : 0u;
         }
       }
     }
@@ -690,32 +695,22 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         }
       }
       if (kg.k > 0) {
-        // key outliers: score_t += q_c (v - Khat[t, c]).  The tile's entries (sorted by token,
-        // one per lane and round) write their corrections into a dense fp16 tile of half the
-        // tokens, channels in QK mma order, which runs through the QK mma with q like the codes;
-        // then the entries are cleared (the value path finds the tile zero).
-        const DType* ov = reinterpret_cast<const DType*>(kg.ov);
+        // key outliers: score_t += q_c d_tc.  The tile's entries (sorted by token, one per lane
+        // and round) write their stored corrections into a dense fp16 tile of half the tokens,
+        // channels in QK mma order, which runs through the QK mma with q like the codes; then
+        // the entries are cleared (the value path finds the tile zero).
+        const DType* od = reinterpret_cast<const DType*>(kg.od);
         const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
-        // fp16 bits of the entry's correction; slot_out = token * DVS + its position in QK mma order
-        auto kdelta = [&](uint32_t pk, float val, uint32_t& slot_out) {
+        // slot of an entry: token * DVS + its channel's position in QK mma order (pk: bits 0..15)
+        auto kslot = [&](uint32_t pk) {
           const int tl = (pk >> 8) & (kTile - 1), ch = pk & (D - 1);
-          const uint32_t w = (uint32_t)s_kc[tl * WROW + ch / PK::CPW];
-          const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
-          float khat = code * half_bits_to_float(s_ks[ch]) + half_bits_to_float(s_kz[ch]);
-          if (kg.r > 0) khat += gear_lr(s_ka, tl, kg.Bf, ch, kg.r);
           const int cq = ch / (D / 4), l = ch % (D / 4), r = l % PK::CPW;
           const int pp = (l / PK::CPW) * PK::PO + r % PK::PO;
-          slot_out = (uint32_t)(tl * DVS + 16 * (pp >> 1) + 8 * (pp & 1) + 2 * cq + r / PK::PO);  // tl in [0, 32)
-          const __half d = __float2half_rn(val - khat);
-          return *reinterpret_cast<const uint16_t*>(&d);
+          return (uint32_t)(tl * DVS + 16 * (pp >> 1) + 8 * (pp & 1) + 2 * cq + r / PK::PO);  // tl in [0, 32)
         };
-        uint16_t e_d[KE];
         uint32_t e_at[KE];
 #pragma unroll
-        for (int m = 0; m < KE; ++m) {
-          e_d[m] = 0, e_at[m] = 0xffffffffu;
-          if (e_lo + lane + 32 * m < e_hi) e_d[m] = kdelta(e_pk[m], e_val[m], e_at[m]);
-        }
+        for (int m = 0; m < KE; ++m) e_at[m] = e_lo + lane + 32 * m < e_hi ? kslot(e_w[m]) : 0xffffffffu;
         // ldmatrix.x4 rows of this lane: tokens (lane & 7) + 8 ((lane >> 3) & 1), k + 8 (lane >> 4)
         const unsigned ld_base = (unsigned)__cvta_generic_to_shared(
             s_dv + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DVS + 8 * (lane >> 4));
@@ -726,12 +721,10 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
             if (at >= lo && at < hi) s_dv[at - lo] = v;
           };
 #pragma unroll
-          for (int m = 0; m < KE; ++m) put(e_at[m], e_d[m]);
+          for (int m = 0; m < KE; ++m) put(e_at[m], (uint16_t)(e_w[m] >> 16));
           for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {  // entries beyond the preloaded rounds
             const int e = e0 + lane;
-            uint32_t at = 0xffffffffu;
-            const uint16_t v = e < e_hi ? kdelta(__ldg(oi + e), to_float(ov[e]), at) : (uint16_t)0;
-            put(at, v);
+            if (e < e_hi) put(kslot(__ldg(oi + e)), gear_delta_bits(od[e]));
           }
           __syncwarp();
 #pragma unroll
@@ -745,11 +738,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           for (int m = 0; m < KE; ++m) put(e_at[m], 0);
           for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {
             const int e = e0 + lane;
-            if (e < e_hi) {
-              uint32_t at;
-              (void)kdelta(__ldg(oi + e), 0.f, at);
-              put(at, 0);
-            }
+            if (e < e_hi) put(kslot(__ldg(oi + e)), 0);
           }
           __syncwarp();
         }
@@ -887,13 +876,13 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         }
       }
       if (vg.k > 0) {
-        // value outliers: out_c += p_t (v - Vhat[t, c]).  Lane = token; its 2k corrections go into
-        // a dense fp16 tile (half a tile of tokens at a time, channels in this kernel's mma order)
+        // value outliers: out_c += p_t d_tc.  Lane = token; its 2k stored corrections go into a
+        // dense fp16 tile (half a tile of tokens at a time, channels in this kernel's mma order)
         // that runs through the PV mma like the codes, then the entries are cleared again.
         const int tl = lane, nk = 2 * vg.k;
         const bool staged = nk <= TL::VO_MAX;  // in the ring (else read from global memory)
-        const DType* ov = staged ? reinterpret_cast<const DType*>(st + TL::VOV_OFF) + tl * nk
-                                 : reinterpret_cast<const DType*>(vg.ov) + (int64_t)(gt.ts0 + tl) * nk;
+        const DType* od = staged ? reinterpret_cast<const DType*>(st + TL::VOV_OFF) + tl * nk
+                                 : reinterpret_cast<const DType*>(vg.od) + (int64_t)(gt.ts0 + tl) * nk;
         const char* oi = staged ? st + TL::VOI_OFF + tl * nk : vg.oi;
         const int toff = staged ? 0 : (gt.ts0 + tl) * nk;
         const int ib = staged ? 1 : vg.ibytes;
@@ -909,16 +898,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         for (int kst = 0; kst < 2; ++kst) {
           const bool mine = (tl >> 4) == kst;
           if (mine) {
-            for (int j = 0; j < nk; ++j) {
-              const int ch = gear_idx(oi, ib, toff + j);
-              const uint32_t w = (uint32_t)s_vc[tl * WROW + ch / PK::CPW];
-              const float code = (float)((w >> ((ch % PK::CPW) * BITS)) & ((1u << BITS) - 1u));
-              const int gi = tl * ngv + (ch >> v_lg);  // per-token groups are powers of two
-              float vhat = code * half_bits_to_float(s_vs[gi]) + half_bits_to_float(s_vz[gi]);
-              if (vg.r > 0) vhat += gear_lr(s_va, tl, vg.Bf, ch, vg.r);
-              const __half d = __float2half_rn(to_float(ov[j]) - vhat);
-              my_row[vpos(ch)] = *reinterpret_cast<const uint16_t*>(&d);
-            }
+            for (int j = 0; j < nk; ++j) my_row[vpos(gear_idx(oi, ib, toff + j))] = gear_delta_bits(od[j]);
           }
           __syncwarp();
 #pragma unroll
@@ -1304,7 +1284,7 @@ inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
             (sg.off != nullptr && (!aligned16(sg.off, sg.f_sb, sg.f_sh, 4) || (sg.f_sblk * 4) % 16 != 0 ||
                                    sg.off_len < gear_off_len(&sg == &gk->seg[0] ? p.gear_t0 : p.gear_nb))) ||
             (sg.off == nullptr && sg.k > 0 &&
-             (!aligned16(sg.ov, sg.o_sb, sg.o_sh, p.dtype_bytes) || !aligned16(sg.oi, sg.o_sb, sg.o_sh, 1))))
+             (!aligned16(sg.od, sg.d_sb, sg.d_sh, p.dtype_bytes) || !aligned16(sg.oi, sg.o_sb, sg.o_sh, 1))))
           return false;
   }
   return true;

@@ -39,21 +39,27 @@ struct QuantKV {
 /// \brief GEAR extras of one role, for one of the two segments of a GEAR layer: segment 0 is
 /// the prefill block (tokens [0, T0)), segment 1 the decode blocks of nb tokens each, stored
 /// concatenated (tokens [T0, Tq)).  Token t of a segment reads
-///   backbone(t) + A[t] . B[c]  (low rank, r <= 8), then the outlier entries of t overwrite.
-/// Values (per-token vectors): outliers [B, H, T_seg, 2k], index = channel, of `ibytes`
+///   xhat = backbone(t) + A[t] . B[c]  (low rank, r <= 8; fp32), then every outlier entry
+///   (t, c) of the segment adds its stored correction d = v - xhat (so x[t, c] = v up to d's
+///   rounding; decompression overwrites with v).  The corrections are computed once per
+///   block when it is compressed (python/kvquant_ext/gear.py, outlier_corrections); the exact
+///   outlier values are not read here.
+/// Values (per-token vectors): entries [B, H, T_seg, 2k], index = channel, of `ibytes`
 /// bytes (uint8 / int16 / int32).  Keys (per-channel vectors), sorted by token for the
 /// kernel: [B, H, nblk, M] entries (M = D 2k per block), int16 index (token mod 32) << 8 |
 /// channel, and `off` [B, H, nblk, tiles + 1] int32: the entries of 32-token tile j of a block
 /// are [off[j], off[j + 1]) (CUDA reads a 16-byte aligned window of 8 offsets: rows padded to
-/// a multiple of 4 with 4 spare entries, see gear_off_len).  Outlier values in the cache dtype.
+/// a multiple of 4 with 4 spare entries, see gear_off_len).  Corrections `od` in the cache
+/// dtype, entry for entry in the layout of the indices (own strides, contiguous last dim).
 struct GearSeg {
   const uint16_t* A = nullptr;  // fp16 [B, H, T_seg, r]
   const uint16_t* Bf = nullptr;  // fp16 [B, H, D, r] (segment 0) or [B, H, nblk, D, r]
   int64_t A_sb = 0, A_sh = 0, B_sb = 0, B_sh = 0, B_sblk = 0;
   int r = 0;
-  const void* ov = nullptr;  // outlier values (cache dtype)
-  const void* oi = nullptr;  // outlier indices (same shape and strides as ov)
-  int64_t o_sb = 0, o_sh = 0, o_sblk = 0;  // batch / head / block (keys) strides
+  const void* od = nullptr;  // outlier corrections v - xhat (cache dtype), one per index
+  const void* oi = nullptr;  // outlier indices
+  int64_t o_sb = 0, o_sh = 0, o_sblk = 0;  // batch / head / block (keys) strides of oi
+  int64_t d_sb = 0, d_sh = 0, d_sblk = 0;  // the same of od
   int k = 0;                               // entries per side (2k per vector)
   int ibytes = 1;
   const int32_t* off = nullptr;            // keys: per-tile entry offsets (rows of off_len >= tiles + 1)
@@ -113,10 +119,10 @@ KVQ_HOST_DEVICE float dequant_at(const QuantKV& s, int64_t b, int64_t h, int64_t
   return (float)q * half_bits_to_float(s.scale[off]) + half_bits_to_float(s.zero[off]);
 }
 
-/// \brief One GEAR outlier entry (token t, channel c, stored value), CPU twin only.
+/// \brief One GEAR outlier entry (token t, channel c, correction d = v - xhat), CPU twin only.
 struct GearEntry {
   int64_t t, c;
-  float v;
+  float d;
 };
 
 /// \brief CPU twin: the outlier entries of one role of (b, h), sorted by token.
@@ -128,11 +134,11 @@ void gear_entries_cpu(const DecodeAttnParams& p, const GearKV& g, bool keys, int
   const int64_t Tq = keys ? p.k.Tq : p.v.Tq;
   for (int sgi = 0; sgi < 2; ++sgi) {
     const GearSeg& s = g.seg[sgi];
-    if (s.k == 0 || s.ov == nullptr) continue;
+    if (s.k == 0 || s.od == nullptr) continue;
     const int64_t tseg = sgi == 0 ? T0 : Tq - T0;
     const int64_t nblk = sgi == 0 ? 1 : tseg / nb;
-    const int64_t base = b * s.o_sb + h * s.o_sh;
-    const DType* ov = static_cast<const DType*>(s.ov);
+    const int64_t base = b * s.o_sb + h * s.o_sh, dbase = b * s.d_sb + h * s.d_sh;
+    const DType* od = static_cast<const DType*>(s.od);
     if (keys) {  // sorted by token: tile offsets + packed (token mod 32, channel)
       const int64_t tblk = sgi == 0 ? T0 : nb, ntile = (tblk + 31) / 32;
       for (int64_t blk = 0; blk < nblk; ++blk) {
@@ -142,14 +148,14 @@ void gear_entries_cpu(const DecodeAttnParams& p, const GearKV& g, bool keys, int
           for (int64_t e = off[tile]; e < off[tile + 1]; ++e) {
             const int64_t o = base + blk * s.o_sblk + e;
             const int64_t pk = gear_index(s.oi, 2, o) & 0xFFFF;
-            out.push_back({t0 + tile * 32 + (pk >> 8), pk & 255, to_float(ov[o])});
+            out.push_back({t0 + tile * 32 + (pk >> 8), pk & 255, to_float(od[dbase + blk * s.d_sblk + e])});
           }
       }
     } else {  // per token: index = channel
       for (int64_t t = 0; t < tseg; ++t)
         for (int64_t j = 0; j < 2 * s.k; ++j) {
-          const int64_t off = base + t * 2 * s.k + j;
-          out.push_back({(sgi == 0 ? 0 : T0) + t, gear_index(s.oi, s.ibytes, off), to_float(ov[off])});
+          const int64_t off = t * 2 * s.k + j;
+          out.push_back({(sgi == 0 ? 0 : T0) + t, gear_index(s.oi, s.ibytes, base + off), to_float(od[dbase + off])});
         }
     }
   }
@@ -158,8 +164,8 @@ void gear_entries_cpu(const DecodeAttnParams& p, const GearKV& g, bool keys, int
 
 /// \brief CPU twin: attention of the g query heads of (b, h) in fp32.  Each token's key and
 /// value are dequantized once and used by all g query heads (GQA).  `row` and `kbuf` are
-/// caller-provided scratch (resized here).  GEAR layers add the low-rank term and overwrite
-/// the outlier entries of each compressed token.
+/// caller-provided scratch (resized here).  GEAR layers add the low-rank term and the outlier
+/// corrections of each compressed token (the kernel's arithmetic, in fp32).
 template <typename DType>
 void decode_attention_cpu(const DecodeAttnParams& p, int64_t b, int64_t h, std::vector<float>& row,
                           std::vector<float>& kbuf) {
@@ -184,7 +190,7 @@ void decode_attention_cpu(const DecodeAttnParams& p, int64_t b, int64_t h, std::
         if (sg.r > 0)
           for (int64_t c = 0; c < D; ++c) xt[c] += gear_lowrank(sg, b, h, ts, sgi == 0 ? 0 : ts / p.gear_nb, c);
         while (cursor < entries.size() && entries[cursor].t < t) ++cursor;
-        for (; cursor < entries.size() && entries[cursor].t == t; ++cursor) xt[entries[cursor].c] = entries[cursor].v;
+        for (; cursor < entries.size() && entries[cursor].t == t; ++cursor) xt[entries[cursor].c] += entries[cursor].d;
       }
     } else {
       const DType* r = static_cast<const DType*>(s.residual) + b * s.res_sb + h * s.res_sh + (t - s.Tq) * D;
