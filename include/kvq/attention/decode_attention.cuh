@@ -720,6 +720,35 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     const uint16_t* s_vs = reinterpret_cast<const uint16_t*>(st + TL::VS_OFF);
     const uint16_t* s_vz = reinterpret_cast<const uint16_t*>(st + TL::VZ_OFF);
 
+    const uint16_t* s_ka = reinterpret_cast<const uint16_t*>(st + TL::KA_OFF);
+    const uint16_t* s_va = reinterpret_cast<const uint16_t*>(st + TL::VA_OFF);
+    constexpr int KE = 4;  // key outlier entries per lane loaded ahead of their mma
+    // entry: fp16 bits of its correction | packed index << 16 (0xFFFF: none)
+    uint32_t e_w[KE];
+    int e_lo = 0, e_hi = 0;
+    uint32_t gf = 0;  // GearTileDesc::flags of this tile
+    const char* kod = nullptr;
+    const char* koi = nullptr;
+    int gbid = 0;
+    if constexpr (GEAR) {
+      const GearTileDesc* gd = reinterpret_cast<const GearTileDesc*>(st + TL::GD_OFF);
+      gf = gd->flags, gbid = gd->bid;
+      if (gf & kGdKOut) {  // this tile's key outlier entries [e_lo, e_hi): start their loads now
+        const GearSegCta* gs = reinterpret_cast<const GearSegCta*>(gcta + GearCta::SEG) + (gbid > 0 ? 1 : 0);
+        kod = gs->kod, koi = gs->koi;
+        if (gbid > 1) kod += (int64_t)(gbid - 1) * gs->d_sblk, koi += (int64_t)(gbid - 1) * gs->o_sblk;
+        const int32_t* s_ko = reinterpret_cast<const int32_t*>(st + TL::KO_OFF);
+        const int j = (gf >> 8) & 3;
+        e_lo = s_ko[j], e_hi = s_ko[j + 1];
+        const DType* od = reinterpret_cast<const DType*>(kod);
+        const uint16_t* oi = reinterpret_cast<const uint16_t*>(koi);
+#pragma unroll
+        for (int m = 0; m < KE; ++m) {
+          const int e = e_lo + lane + 32 * m;
+          e_w[m] = e < e_hi ? (gear_delta_ldg(od, e) | ((uint32_t)__ldg(oi + e) << 16)) : 0xFFFF0000u;
+        }
+      }
+    }
     // ---------------- S^T = K q^T: 2 m-tiles of 16 tokens ----------------
     // key rows nt * 8 + i (nt = 0..3): m-tile nt / 2, row half nt % 2
     uint32_t kw[4][CM::WK];
@@ -808,35 +837,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         a[2] = hfma2_u32(extract_pair<BITS>(w0b, w0b >> 8, pb % PK::PO), ksb[0], kzb[0]);
         a[3] = hfma2_u32(extract_pair<BITS>(w1b, w1b >> 8, pb % PK::PO), ksb[1], kzb[1]);
         mma16816(sc[mt], a, qb[kk][0], qb[kk][1]);
-      }
-    }
-    const uint16_t* s_ka = reinterpret_cast<const uint16_t*>(st + TL::KA_OFF);
-    const uint16_t* s_va = reinterpret_cast<const uint16_t*>(st + TL::VA_OFF);
-    constexpr int KE = 4;  // key outlier entries per lane loaded ahead of their mma
-    // entry: fp16 bits of its correction | packed index << 16 (0xFFFF: none)
-    uint32_t e_w[KE];
-    int e_lo = 0, e_hi = 0;
-    uint32_t gf = 0;  // GearTileDesc::flags of this tile
-    const char* kod = nullptr;
-    const char* koi = nullptr;
-    int gbid = 0;
-    if constexpr (GEAR) {
-      const GearTileDesc* gd = reinterpret_cast<const GearTileDesc*>(st + TL::GD_OFF);
-      gf = gd->flags, gbid = gd->bid;
-      if (gf & kGdKOut) {  // this tile's key outlier entries [e_lo, e_hi): start their loads now
-        const GearSegCta* gs = reinterpret_cast<const GearSegCta*>(gcta + GearCta::SEG) + (gbid > 0 ? 1 : 0);
-        kod = gs->kod, koi = gs->koi;
-        if (gbid > 1) kod += (int64_t)(gbid - 1) * gs->d_sblk, koi += (int64_t)(gbid - 1) * gs->o_sblk;
-        const int32_t* s_ko = reinterpret_cast<const int32_t*>(st + TL::KO_OFF);
-        const int j = (gf >> 8) & 3;
-        e_lo = s_ko[j], e_hi = s_ko[j + 1];
-        const DType* od = reinterpret_cast<const DType*>(kod);
-        const uint16_t* oi = reinterpret_cast<const uint16_t*>(koi);
-#pragma unroll
-        for (int m = 0; m < KE; ++m) {
-          const int e = e_lo + lane + 32 * m;
-          e_w[m] = e < e_hi ? (gear_delta_ldg(od, e) | ((uint32_t)__ldg(oi + e) << 16)) : 0xFFFF0000u;
-        }
       }
     }
     if constexpr (GEAR) {
@@ -1090,7 +1090,7 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
               gear_stage_entries<DType, KV>(voi + j0, vov + j0, ch, dl);
 #pragma unroll
               for (int jj = 0; jj < KV; ++jj) {
-                at[jj] = my_row + 2u * vlut[ch[jj]];
+                at[jj] = my_row + 2u * vlut[ch[jj] & (D - 1)];  // (a channel >= D, invalid input, stays in the tile)
                 sts_u16(at[jj], dl[jj]);
               }
               pv_mma(kst);
@@ -1118,10 +1118,11 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           for (int kst = 0; kst < 2; ++kst) {
             const bool mine = (tl >> 4) == kst;
             if (mine)
-              for (int j = 0; j < nk; ++j) my_row[vlut[gear_idx(vg.oi, vg.ibytes, toff + j)]] = gear_delta_bits(od[j]);
+              for (int j = 0; j < nk; ++j)
+                my_row[vlut[gear_idx(vg.oi, vg.ibytes, toff + j) & (D - 1)]] = gear_delta_bits(od[j]);
             pv_mma(kst);
             if (mine)
-              for (int j = 0; j < nk; ++j) my_row[vlut[gear_idx(vg.oi, vg.ibytes, toff + j)]] = 0;
+              for (int j = 0; j < nk; ++j) my_row[vlut[gear_idx(vg.oi, vg.ibytes, toff + j) & (D - 1)]] = 0;
             __syncwarp();
           }
         }
