@@ -270,10 +270,13 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 //   (decompression overwrites the entry), precomputed once per block by the cache layer and
 //   stored next to each entry (GearSeg::od).  Key entries are stored sorted by token with
 //   per-tile offsets, so a tile's entries are one contiguous range (lanes take one entry
-//   each); value entries are the 2k entries of each token (lane = token).  Both kinds of
-//   correction are written (fp16) into a per-warp dense tile of 16 tokens x D, in the order of
-//   the channels in the QK (keys) or PV (values) mma, which then runs through the tensor cores
-//   with q or P like the codes (ldmatrix, .trans for values); the entries are cleared after.
+//   each, loaded before the QK mma); value entries are the 2k entries of each token (staged in
+//   the ring; two lanes per token, k entries each).  Both kinds of correction are written
+//   (fp16) into a per-warp dense tile of 16 tokens x D, at the position of their channel in
+//   the QK (keys) or PV (values) mma (tables in GearCta), which then runs through the tensor
+//   cores with q or P like the codes (ldmatrix, .trans for values); the entries are cleared
+//   after.  Per tile, issue() reads the segment's GearSegCta and passes a GearTileDesc (flags,
+//   block) through the ring stage: no 64-bit parameter arithmetic in the tile loop.
 // ---------------------------------------------------------------------------
 /// Per-warp scratch of the GEAR extras (byte offsets for g query heads; 16-byte multiples).
 struct GearScratch {
@@ -533,7 +536,9 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   // mma per k-step.  SUBV (NGV = D / G > 0): values likewise, scales folded into P per value group; m-tile M is
   // channels [16 M, 16 M + 16) (one group: G % 16 == 0), lane row i holding channels
   // 16 M + 2 i (row i) and 16 M + 2 i + 1 (row i + 8).  GEAR layers keep the dequantizing value
-  // path (their low-rank flush adds into acc in plain units).
+  // path: their outlier and low-rank terms add into acc in plain units, which the subnormal
+  // units of SUBV (2^(off - 24) per row) cannot take in fp16.  Their keys use SUBK: the scores
+  // are brought to plain units (sc 2^24 + q . zero, exact) before the GEAR terms are added.
   constexpr bool SUBK = KPC;
   // NGV: value groups per token (compile time).  2-bit only: at 4 and 8 bits a lane would
   // need every other code word of a token (8 LDS.32 per token instead of 2 LDS.128), which
