@@ -286,24 +286,6 @@ struct GearScratch {
   KVQ_HOST_DEVICE static int bytes(int D) { return (DV + 16 * (D + 8) * 2 + 15) / 16 * 16; }
 };
 
-/// Segment / block of a 32-token tile starting at t0 (32-bit arithmetic).
-struct GearTile {
-  int seg;   // 0: prefill block, 1: decode blocks
-  int blk;   // decode block within segment 1
-  int bid;   // block id: 0 prefill, 1 + blk
-  int ts0;   // first token within the segment
-  int tb0;   // first token within the block
-};
-__device__ __forceinline__ GearTile gear_tile(const DecodeAttnParams& p, int64_t t0) {
-  GearTile r;
-  const int t = (int)t0, T0 = (int)p.gear_t0, nb = (int)p.gear_nb;
-  if (t < T0) {
-    r.seg = 0, r.blk = 0, r.bid = 0, r.ts0 = t, r.tb0 = t;
-  } else {
-    r.seg = 1, r.ts0 = t - T0, r.blk = r.ts0 / nb, r.bid = 1 + r.blk, r.tb0 = r.ts0 - r.blk * nb;
-  }
-  return r;
-}
 /// One role's segment, with the (batch, head, block) offsets applied.
 struct GearSegView {
   const uint16_t* A;    // [T_seg, r]
@@ -388,20 +370,6 @@ __device__ __forceinline__ int gear_idx(const char* oi, int ibytes, int j) {
   return ibytes == 1 ? (int)reinterpret_cast<const uint8_t*>(oi)[j]
                      : ibytes == 2 ? (int)reinterpret_cast<const int16_t*>(oi)[j] : reinterpret_cast<const int32_t*>(oi)[j];
 }
-/// Runs f() on every active lane with plain shared-memory read-modify-writes instead of
-/// atomics (fp32 shared atomics are CAS loops on sm_90): lanes whose `key` (the address they
-/// update) collides take turns.  Warp-uniform call.
-template <typename F>
-__device__ __forceinline__ void warp_serialize_conflicts(bool active, int key, int lane, F&& f) {
-  const unsigned grp = __match_any_sync(0xffffffffu, active ? key : -1 - lane);
-  const int rank = __popc(grp & ((1u << lane) - 1u));
-  const unsigned turns = __reduce_max_sync(0xffffffffu, active ? (unsigned)__popc(grp) : 0u);
-  for (unsigned r = 0; r < turns; ++r) {
-    if (active && rank == (int)r) f();
-    __syncwarp();
-  }
-}
-
 /// Two fp16 entries (cols j, j + 1 of row `row` of an [rows, r] fp16 array), zero beyond r.
 __device__ __forceinline__ uint32_t gear_pair(const uint16_t* a, int row, int j, int r) {
   const uint32_t lo = j < r ? (uint32_t)a[row * r + j] : 0u;
