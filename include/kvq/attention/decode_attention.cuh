@@ -67,7 +67,9 @@ template <int BITS>
 __device__ __forceinline__ uint32_t extract_pair(uint32_t w, uint32_t w8, int s) {
   const int pos = s * BITS, off = pos % 8;
   uint32_t x;  // (src & mask) | 0x64006400 in one LOP3 (0xEA = (a & b) | c)
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(x) : "r"(pos >= 8 ? w8 : w), "r"(Pack<BITS>::MASK << off), "r"(0x64006400u));
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n"
+      : "=r"(x)
+      : "r"(pos >= 8 ? w8 : w), "r"(Pack<BITS>::MASK << off), "r"(0x64006400u));
   if (off == 0) return hsub2_u32(x, 0x64006400u);
   return hfma2_u32(x, half2_pow2_bits(-off, false), half2_pow2_bits(10 - off, true));
 }
@@ -1006,7 +1008,8 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           if (qq / PK::PO != wi) continue;  // resolved at compile time except for soff
           const int s = qq % PK::PO;
           uint32_t a[4];
-          a[0] = hfma2_u32(extract_pair<BITS>(X01, X01 >> 8, s), S01, Z01);  // channel row i (member 0), tokens 2c, 2c+1
+          // channel row i (member 0), tokens 2c, 2c+1
+          a[0] = hfma2_u32(extract_pair<BITS>(X01, X01 >> 8, s), S01, Z01);
           a[1] = hfma2_u32(extract_pair<BITS>(Y01, Y01 >> 8, s), S01, Z01);  // row i + 8 (member 1)
           a[2] = hfma2_u32(extract_pair<BITS>(X89, X89 >> 8, s), S89, Z89);  // row i, tokens 2c+8, 2c+9
           a[3] = hfma2_u32(extract_pair<BITS>(Y89, Y89 >> 8, s), S89, Z89);
