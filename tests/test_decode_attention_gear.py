@@ -295,6 +295,66 @@ def test_cuda_reads_stored_corrections(preset, dtype):
     assert (got - out).norm() / out.norm() > 1e-2
 
 
+@requires_cuda
+@pytest.mark.parametrize("cfg,D,dtype,tol", [
+    # 2k = 8 value entries per token (staged, 4 per lane pair member); ~205 key entries per
+    # 32-token tile: rounds beyond the 4 preloaded ones
+    (kvq.GEARConfig(bits=2, group_size=64, sparsity=0.05, rank=4, rank_decode=2, buffer_length=64), 128,
+     torch.float16, 4e-3),
+    # 2k = 14 value entries per token: read from global memory (not staged); ~410 key entries per
+    # tile; decode blocks of 3 tiles (a warp meets them at varying positions)
+    (kvq.GEARConfig(bits=2, group_size=32, sparsity=0.1, rank=3, rank_decode=1, buffer_length=96), 128,
+     torch.bfloat16, 1.5e-2),
+    # 2k = 6 (3 per lane), fp32 cache (corrections converted per entry), key groups of one tile
+    (kvq.GEARConfig(bits=2, group_size=32, sparsity=0.02, rank=2, rank_decode=2, buffer_length=32), 256,
+     torch.float32, 4e-3),
+    # 2k = 2 (1 per lane), 4-bit backbone, no low rank
+    (kvq.GEARConfig(bits=4, group_size=64, sparsity=0.02, rank=0, rank_decode=0, buffer_length=64), 64,
+     torch.float16, 4e-3),
+])
+def test_cuda_outlier_layouts_match_cpu(cfg, D, dtype, tol):
+    """The kernel's outlier paths (value entries per token 2..14, staged or from global memory;
+    key tiles with more entries than the preloaded rounds; fp32 corrections; prefill and decode
+    blocks) equal the CPU op on the same stored data."""
+    B, H, T = 2, 2, 2048
+    cache = gear_cache(cfg, B, H, T, D, dtype, "cuda", steps=3 * cfg.buffer_length + 5, seed=11)
+    q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = check(cache, q, tol=tol)
+    cpu = kvq.KVCache(cfg)
+    cpu.load_state_dict(_to_cpu(cache.state_dict()))
+    ref = kvq.decode_attention(q.cpu(), cpu, 0)
+    err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
+    assert err < tol, err
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", ["gear-2", "outlier-2"])
+def test_cuda_wide_value_indices(preset):
+    """int16 value indices (accepted by the op) take the kernel's unstaged value-outlier path
+    and give exactly the result of the uint8 indices (staged path)."""
+    B, H, T, D = 2, 2, 1024, 128
+    cache = gear_cache(preset, B, H, T, D, torch.float16, "cuda", steps=100, seed=5)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    kc, ks, kz, kr, kg = kst.attention_operands()
+    vc, vs, vz, vr, vg = vst.attention_operands()
+    q = torch.randn(B, 8, D, dtype=torch.float16, device="cuda")
+
+    def run(vg_):
+        return _ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg, vg_, kst.T0,
+                                          kst.config.buffer_length, D ** -0.5)
+
+    out = run(vg)
+    wide = list(vg)
+    for j in (3, 9):  # oi0, oi1: int16 copies with the strides of ov
+        if wide[j].numel():
+            assert wide[j].dtype == torch.uint8
+            w = torch.empty_strided(wide[j].shape, wide[j].stride(), dtype=torch.int16, device="cuda")
+            wide[j] = w.copy_(wide[j])
+    torch.testing.assert_close(run(wide), out, rtol=0, atol=0)
+
+
 def _to_cpu(x):
     if isinstance(x, dict):
         return {k: _to_cpu(v) for k, v in x.items()}

@@ -20,6 +20,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <type_traits>
 
 #include "kvq/attention/decode_attention.h"
@@ -54,12 +55,23 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-/// \brief Codes s and s + PO of a packed word as an exact fp16x2 pair.
+__device__ __forceinline__ constexpr uint32_t half2_pow2_bits(int e, bool neg) {  // (+-2^e, +-2^e), |e| <= 14
+  return ((neg ? 0x8000u : 0u) | (uint32_t)(e + 15) << 10) * 0x00010001u;
+}
+/// \brief Codes s and s + PO of a packed word w as an exact fp16x2 pair (w8 = w >> 8, one
+/// shift per word).  The field is masked in place (bit offset off = (s BITS) % 8 of w or w8,
+/// magic exponent 0x6400 in one LOP3): x = 1024 + code 2^off, exact; then
+/// code = x 2^-off - 1024 2^-off in one HFMA2 (exact: power-of-two scaling, one rounding of an
+/// exactly representable result) -- no per-pair shift.
 template <int BITS>
-__device__ __forceinline__ uint32_t extract_pair(uint32_t w, int s) {
-  uint32_t x;  // (w >> s*BITS) & MASK | 0x64006400 in one LOP3 (0xEA = (a & b) | c)
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(x) : "r"(w >> (s * BITS)), "n"(Pack<BITS>::MASK), "r"(0x64006400u));
-  return hsub2_u32(x, 0x64006400u);
+__device__ __forceinline__ uint32_t extract_pair(uint32_t w, uint32_t w8, int s) {
+  const int pos = s * BITS, off = pos % 8;
+  uint32_t x;  // (src & mask) | 0x64006400 in one LOP3 (0xEA = (a & b) | c)
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n"
+      : "=r"(x)
+      : "r"(pos >= 8 ? w8 : w), "r"(Pack<BITS>::MASK << off), "r"(0x64006400u));
+  if (off == 0) return hsub2_u32(x, 0x64006400u);
+  return hfma2_u32(x, half2_pow2_bits(-off, false), half2_pow2_bits(10 - off, true));
 }
 
 /// \brief Codes s and s + PO of a packed word as exact fp16 *subnormals*, masked in place:
@@ -131,10 +143,54 @@ __device__ __forceinline__ void warp_copy_async(void* dst, const void* src, int 
   }
 }
 
+/// Per-CTA header of the GEAR extras in shared memory (after q; every warp of a CTA serves the
+/// same (batch, KV head)): per segment the (batch, head) bases of both roles, written once by
+/// the kernel prologue and laid out for 16-byte loads, so that a tile's addresses cost a few
+/// shared loads and 32-bit operations instead of gear_seg's 64-bit products of the parameter
+/// strides; then the channel -> position tables of the dense correction tiles (QK mma order
+/// for keys, PV mma order for values).
+struct alignas(16) GearSegCta {
+  const char* kA;  // low-rank rows, fp16 [T_seg, r] (nullptr: r = 0)
+  const char* vA;
+  const char* vod;  // values: corrections and indices, [T_seg, 2k]
+  const char* voi;
+  const char* koff;  // keys: per-tile entry offsets (int32) of block 0, and their block stride in bytes
+  long long f_sblk;
+  const char* kod;  // keys: corrections (cache dtype) of block 0, block stride in bytes
+  long long d_sblk;
+  const char* koi;  // keys: packed indices (int16) of block 0, block stride in bytes
+  long long o_sblk;
+  uint32_t flags;   // the segment's part of GearTileDesc::flags (ranks, outlier kinds, 2k of values)
+  int kr2, vr2;     // bytes per A row (2 r) of keys / values
+  int vnk;          // 2k of values
+};
+// issue() reads a GearSegCta as 16-byte words 0 (kA, vA), 1 (vod, voi), 2 (koff, f_sblk), 5 (flags ...)
+static_assert(sizeof(GearSegCta) == 96 && offsetof(GearSegCta, vod) == 16 && offsetof(GearSegCta, koff) == 32 &&
+                  offsetof(GearSegCta, flags) == 80 && offsetof(GearSegCta, vnk) == 92,
+              "GearSegCta layout");
+struct GearCta {
+  static constexpr int SEG = 0;                                   // GearSegCta [segment]
+  static constexpr int KLUT = 2 * (int)sizeof(GearSegCta);        // uint8 [D]: key channel -> position
+  KVQ_HOST_DEVICE static int vlut(int D) { return KLUT + D; }      // uint8 [D]: value channel -> position
+  KVQ_HOST_DEVICE static int bytes(int D) { return (KLUT + 2 * D + 15) / 16 * 16; }
+};
+/// What issue() tells the compute step about a tile (written into its ring stage by lane 0).
+struct alignas(16) GearTileDesc {
+  uint32_t flags;   // see kGd*
+  int bid;          // block id: 0 prefill, 1 + decode block
+  int ts0;          // first token of the tile within its segment
+  int pad;
+};
+constexpr uint32_t kGdKOut = 1u << 10;    // key outliers (window index of the tile offsets: bits 8..9)
+constexpr uint32_t kGdVOut = 1u << 11;    // value outliers (2k per token: bits 16..23)
+constexpr uint32_t kGdVStaged = 1u << 12;  // ... staged in the ring (uint8 indices, 2k <= VO_MAX)
+constexpr uint32_t kGdLast = 1u << 13;    // the warp's last tile of this block
+// low-rank ranks: key r in bits 0..3, value r in bits 4..7
+
 /// Byte layout of one 32-token tile in shared memory (KPC: keys grouped per channel; GEAR:
 /// plus the tile's rows of the key and value low-rank factors A (up to 8 fp16 columns), a
-/// 32-byte window of the key outlier tile offsets, and the tile's value outliers (up to 8
-/// per token: corrections v - xhat of VB bytes, uint8 channels)).
+/// 32-byte window of the key outlier tile offsets, the tile's value outliers (up to 8
+/// per token: corrections v - xhat of VB bytes, uint8 channels) and its GearTileDesc).
 template <int D, int BITS, bool KPC, bool GEAR = false, int VB = 2>
 struct TileLayout {
   static constexpr int CODES = kTile * D * BITS / 8;             // K or V codes of the tile
@@ -146,9 +202,10 @@ struct TileLayout {
   static constexpr int KO_BYTES = GEAR ? 32 : 0;
   static constexpr int VO_MAX = 8;  // value outliers per token staged in shared memory
   static constexpr int VOV_BYTES = GEAR ? kTile * VO_MAX * VB : 0, VOI_BYTES = GEAR ? kTile * VO_MAX : 0;
+  static constexpr int GD_BYTES = GEAR ? (int)sizeof(GearTileDesc) : 0;  // the tile's GearTileDesc
   static constexpr int KA_OFF = VZ_OFF + VS, VA_OFF = KA_OFF + A_BYTES, KO_OFF = VA_OFF + A_BYTES,
-                       VOV_OFF = KO_OFF + KO_BYTES, VOI_OFF = VOV_OFF + VOV_BYTES;
-  static constexpr int BYTES = VOI_OFF + VOI_BYTES;
+                       VOV_OFF = KO_OFF + KO_BYTES, VOI_OFF = VOV_OFF + VOV_BYTES, GD_OFF = VOI_OFF + VOI_BYTES;
+  static constexpr int BYTES = GD_OFF + GD_BYTES;
   // GEAR: 2 stages keep 3 CTAs (12 warps) per SM within shared memory
   static constexpr int STAGES = GEAR ? 2 : KA_OFF <= 4096 ? 3 : 2;
   static constexpr int RING = STAGES * BYTES;
@@ -194,6 +251,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&a)[4], unsigned saddr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(saddr) : "memory");
 }
+/// 16-bit store to a shared-memory address (ordered with the ldmatrix reads of the same tile).
+__device__ __forceinline__ void sts_u16(uint32_t saddr, uint32_t v) {
+  asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(saddr), "h"((unsigned short)v) : "memory");
+}
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
@@ -211,10 +272,13 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 //   (decompression overwrites the entry), precomputed once per block by the cache layer and
 //   stored next to each entry (GearSeg::od).  Key entries are stored sorted by token with
 //   per-tile offsets, so a tile's entries are one contiguous range (lanes take one entry
-//   each); value entries are the 2k entries of each token (lane = token).  Both kinds of
-//   correction are written (fp16) into a per-warp dense tile of 16 tokens x D, in the order of
-//   the channels in the QK (keys) or PV (values) mma, which then runs through the tensor cores
-//   with q or P like the codes (ldmatrix, .trans for values); the entries are cleared after.
+//   each, loaded before the QK mma); value entries are the 2k entries of each token (staged in
+//   the ring; two lanes per token, k entries each).  Both kinds of correction are written
+//   (fp16) into a per-warp dense tile of 16 tokens x D, at the position of their channel in
+//   the QK (keys) or PV (values) mma (tables in GearCta), which then runs through the tensor
+//   cores with q or P like the codes (ldmatrix, .trans for values); the entries are cleared
+//   after.  Per tile, issue() reads the segment's GearSegCta and passes a GearTileDesc (flags,
+//   block) through the ring stage: no 64-bit parameter arithmetic in the tile loop.
 // ---------------------------------------------------------------------------
 /// Per-warp scratch of the GEAR extras (byte offsets for g query heads; 16-byte multiples).
 struct GearScratch {
@@ -224,24 +288,6 @@ struct GearScratch {
   KVQ_HOST_DEVICE static int bytes(int D) { return (DV + 16 * (D + 8) * 2 + 15) / 16 * 16; }
 };
 
-/// Segment / block of a 32-token tile starting at t0 (32-bit arithmetic).
-struct GearTile {
-  int seg;   // 0: prefill block, 1: decode blocks
-  int blk;   // decode block within segment 1
-  int bid;   // block id: 0 prefill, 1 + blk
-  int ts0;   // first token within the segment
-  int tb0;   // first token within the block
-};
-__device__ __forceinline__ GearTile gear_tile(const DecodeAttnParams& p, int64_t t0) {
-  GearTile r;
-  const int t = (int)t0, T0 = (int)p.gear_t0, nb = (int)p.gear_nb;
-  if (t < T0) {
-    r.seg = 0, r.blk = 0, r.bid = 0, r.ts0 = t, r.tb0 = t;
-  } else {
-    r.seg = 1, r.ts0 = t - T0, r.blk = r.ts0 / nb, r.bid = 1 + r.blk, r.tb0 = r.ts0 - r.blk * nb;
-  }
-  return r;
-}
 /// One role's segment, with the (batch, head, block) offsets applied.
 struct GearSegView {
   const uint16_t* A;    // [T_seg, r]
@@ -276,24 +322,56 @@ __device__ __forceinline__ uint16_t gear_delta_bits(DType d) {
     return *reinterpret_cast<const uint16_t*>(&x);
   }
 }
+/// fp16 bits of the correction e of a cache-dtype array in global memory (read-only path).
+template <typename DType>
+__device__ __forceinline__ uint32_t gear_delta_ldg(const DType* od, int e) {
+  if constexpr (sizeof(DType) == 2) {
+    DType d;
+    d.bits = __ldg(reinterpret_cast<const unsigned short*>(od) + e);
+    return gear_delta_bits(d);
+  } else {
+    const __half x = __float2half_rn(__ldg(reinterpret_cast<const float*>(od) + e));
+    return *reinterpret_cast<const uint16_t*>(&x);
+  }
+}
+/// KV staged value entries of a lane (uint8 channels, corrections in the cache dtype; KV
+/// consecutive entries starting at an offset that is a multiple of KV): vector loads where
+/// KV = 2, 4 allows.
+template <typename DType, int KV>
+__device__ __forceinline__ void gear_stage_entries(const uint8_t* oi, const DType* od, uint32_t (&ch)[KV],
+                                                   uint32_t (&dl)[KV]) {
+  if constexpr (KV == 2 || KV == 4) {
+    using IW = typename std::conditional<KV == 2, uint16_t, uint32_t>::type;
+    const uint32_t w = *reinterpret_cast<const IW*>(oi);
+#pragma unroll
+    for (int j = 0; j < KV; ++j) ch[j] = (w >> (8 * j)) & 255u;
+  } else {
+#pragma unroll
+    for (int j = 0; j < KV; ++j) ch[j] = oi[j];
+  }
+  if constexpr (sizeof(DType) == 2 && (KV == 2 || KV == 4)) {
+    uint32_t w[KV / 2];
+    if constexpr (KV == 2) {
+      w[0] = *reinterpret_cast<const uint32_t*>(od);
+    } else {
+      const uint2 v = *reinterpret_cast<const uint2*>(od);
+      w[0] = v.x, w[1] = v.y;
+    }
+#pragma unroll
+    for (int j = 0; j < KV; ++j) {
+      DType d;
+      d.bits = (uint16_t)(w[j / 2] >> (16 * (j & 1)));
+      dl[j] = gear_delta_bits(d);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < KV; ++j) dl[j] = gear_delta_bits(od[j]);
+  }
+}
 __device__ __forceinline__ int gear_idx(const char* oi, int ibytes, int j) {
   return ibytes == 1 ? (int)reinterpret_cast<const uint8_t*>(oi)[j]
                      : ibytes == 2 ? (int)reinterpret_cast<const int16_t*>(oi)[j] : reinterpret_cast<const int32_t*>(oi)[j];
 }
-/// Runs f() on every active lane with plain shared-memory read-modify-writes instead of
-/// atomics (fp32 shared atomics are CAS loops on sm_90): lanes whose `key` (the address they
-/// update) collides take turns.  Warp-uniform call.
-template <typename F>
-__device__ __forceinline__ void warp_serialize_conflicts(bool active, int key, int lane, F&& f) {
-  const unsigned grp = __match_any_sync(0xffffffffu, active ? key : -1 - lane);
-  const int rank = __popc(grp & ((1u << lane) - 1u));
-  const unsigned turns = __reduce_max_sync(0xffffffffu, active ? (unsigned)__popc(grp) : 0u);
-  for (unsigned r = 0; r < turns; ++r) {
-    if (active && rank == (int)r) f();
-    __syncwarp();
-  }
-}
-
 /// Two fp16 entries (cols j, j + 1 of row `row` of an [rows, r] fp16 array), zero beyond r.
 __device__ __forceinline__ uint32_t gear_pair(const uint16_t* a, int row, int j, int r) {
   const uint32_t lo = j < r ? (uint32_t)a[row * r + j] : 0u;
@@ -372,9 +450,53 @@ __device__ __forceinline__ void tile_pt_fragments(const float (&sc)[2][4], uint3
   }
 }
 
+/// The GearCta header of (b, h): threads 0, 1 write the GearSegCta of segments 0, 1, the
+/// others the position tables (the caller synchronizes).
+template <typename DType, int D, int BITS, int VO_MAX>
+__device__ __forceinline__ void gear_cta_fill(const DecodeAttnParams& p, int64_t b, int64_t h, char* gcta) {
+  using PK = Pack<BITS>;
+  using CM = ChannelMap<D, BITS>;
+  const int tid = threadIdx.x;
+  if (tid < 2) {
+    const GearSeg& K = p.gk.seg[tid];
+    const GearSeg& V = p.gv.seg[tid];
+    GearSegCta gs;
+    gs.kA = K.r > 0 ? reinterpret_cast<const char*>(K.A + b * K.A_sb + h * K.A_sh) : nullptr;
+    gs.vA = V.r > 0 ? reinterpret_cast<const char*>(V.A + b * V.A_sb + h * V.A_sh) : nullptr;
+    const bool ko = K.k > 0 && K.od != nullptr, vo = V.k > 0 && V.od != nullptr;
+    gs.koff = ko ? reinterpret_cast<const char*>(K.off + b * K.f_sb + h * K.f_sh) : nullptr;
+    gs.f_sblk = K.f_sblk * 4;
+    gs.kod = ko ? static_cast<const char*>(K.od) + (b * K.d_sb + h * K.d_sh) * (int64_t)sizeof(DType) : nullptr;
+    gs.d_sblk = K.d_sblk * (int64_t)sizeof(DType);
+    gs.koi = ko ? static_cast<const char*>(K.oi) + (b * K.o_sb + h * K.o_sh) * K.ibytes : nullptr;
+    gs.o_sblk = K.o_sblk * K.ibytes;
+    gs.vod = vo ? static_cast<const char*>(V.od) + (b * V.d_sb + h * V.d_sh) * (int64_t)sizeof(DType) : nullptr;
+    gs.voi = vo ? static_cast<const char*>(V.oi) + (b * V.o_sb + h * V.o_sh) * V.ibytes : nullptr;
+    const int nk = vo ? 2 * V.k : 0;
+    const bool vstaged = vo && nk <= VO_MAX && V.ibytes == 1;
+    gs.flags = (uint32_t)K.r | ((uint32_t)V.r << 4) | (ko ? kGdKOut : 0u) | (vo ? kGdVOut : 0u) |
+               (vstaged ? kGdVStaged : 0u) | ((uint32_t)nk << 16);
+    gs.kr2 = 2 * K.r, gs.vr2 = 2 * V.r, gs.vnk = nk;
+    reinterpret_cast<GearSegCta*>(gcta + GearCta::SEG)[tid] = gs;
+  }
+  uint8_t* klut = reinterpret_cast<uint8_t*>(gcta + GearCta::KLUT);
+  uint8_t* vlut = reinterpret_cast<uint8_t*>(gcta + GearCta::vlut(D));
+  for (int ch = tid; ch < D; ch += blockDim.x) {
+    // keys: lane quad cq = ch / (D / 4) holds channel ch as member r / PO of pair pp of its run;
+    // k-step pp / 2, k row 8 (pp & 1) + 2 cq + r / PO
+    const int cq = ch / (D / 4), l = ch % (D / 4), r = l % PK::CPW;
+    const int pp = (l / PK::CPW) * PK::PO + r % PK::PO;
+    klut[ch] = (uint8_t)(16 * (pp >> 1) + 8 * (pp & 1) + 2 * cq + r / PK::PO);
+    // values: pair prv of lane row prv / VP feeds m-tile prv % VP; member rv / PO is row + 8
+    const int rv = ch % PK::CPW, prv = (ch / PK::CPW) * PK::PO + rv % PK::PO;
+    vlut[ch] = (uint8_t)(16 * (prv % CM::VP) + prv / CM::VP + 8 * (rv / PK::PO));
+  }
+}
+
 template <typename DType, int D, int BITS, bool KPC, bool GEAR, int NGV>
 __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
-                         int64_t t_end, int warp, float* slot, char* ring, char* gscr, const float* s_q) {
+                         int64_t t_end, int warp, float* slot, char* ring, char* gscr, const float* s_q,
+                         const char* gcta) {
   using CM = ChannelMap<D, BITS>;
   using TL = TileLayout<D, BITS, KPC, GEAR, sizeof(DType)>;
   using PK = Pack<BITS>;
@@ -384,8 +506,10 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   // mma per k-step.  SUBV (NGV = D / G > 0): values likewise, scales folded into P per value group; m-tile M is
   // channels [16 M, 16 M + 16) (one group: G % 16 == 0), lane row i holding channels
   // 16 M + 2 i (row i) and 16 M + 2 i + 1 (row i + 8).  GEAR layers keep the dequantizing value
-  // path (their low-rank flush adds into acc in plain units).
-  constexpr bool SUBK = KPC && !GEAR;  // GEAR: the extra q fragments spill next to its outlier state
+  // path: their outlier and low-rank terms add into acc in plain units, which the subnormal
+  // units of SUBV (2^(off - 24) per row) cannot take in fp16.  Their keys use SUBK: the scores
+  // are brought to plain units (sc 2^24 + q . zero, exact) before the GEAR terms are added.
+  constexpr bool SUBK = KPC;
   // NGV: value groups per token (compile time).  2-bit only: at 4 and 8 bits a lane would
   // need every other code word of a token (8 LDS.32 per token instead of 2 LDS.128), which
   // measured slower than dequantizing (kivi-4 152 vs 131 us, B = 8, L = 32k)
@@ -519,18 +643,34 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       }
       is_stage = is_stage + 1 == TL::STAGES ? 0 : is_stage + 1;
       if constexpr (GEAR) {
-        const GearTile gt = gear_tile(p, t0);
-        const GearSegView kg = gear_seg<DType>(p.gk, b, h, gt.seg, gt.blk);
-        const GearSegView vg = gear_seg<DType>(p.gv, b, h, gt.seg, gt.blk);
-        if (kg.r > 0) warp_copy_async<TL::A_BYTES>(st + TL::KA_OFF, kg.A + (int64_t)gt.ts0 * kg.r, kTile * kg.r * 2, lane);
-        if (vg.r > 0) warp_copy_async<TL::A_BYTES>(st + TL::VA_OFF, vg.A + (int64_t)gt.ts0 * vg.r, kTile * vg.r * 2, lane);
-        if (kg.k > 0)  // the 16-byte aligned window of 8 tile offsets holding tiles j, j + 1
-          warp_copy_async<32>(st + TL::KO_OFF, kg.off + ((gt.tb0 / kTile) & ~3), 32, lane);
-        if (vg.k > 0 && vg.k * 2 <= TL::VO_MAX) {
-          const int n = kTile * 2 * vg.k;
-          warp_copy_async<TL::VOV_BYTES>(st + TL::VOV_OFF, vg.od + (int64_t)gt.ts0 * 2 * vg.k * (int)sizeof(DType),
-                                         n * (int)sizeof(DType), lane);
-          warp_copy_async<TL::VOI_BYTES>(st + TL::VOI_OFF, vg.oi + (int64_t)gt.ts0 * 2 * vg.k, n, lane);
+        // segment, block and position of the tile (32-bit; the division only in segment 1)
+        const int t = (int)t0, T0 = (int)p.gear_t0, nb = (int)p.gear_nb;
+        const int seg = t >= T0 ? 1 : 0;
+        const int ts0 = seg ? t - T0 : t;
+        const int blk = seg ? ts0 / nb : 0;
+        const int tb0 = ts0 - blk * nb, jt = tb0 / kTile;
+        const uint4* gs = reinterpret_cast<const uint4*>(gcta + GearCta::SEG + seg * (int)sizeof(GearSegCta));
+        const uint4 g0 = gs[0], g1 = gs[1], g2 = gs[2], g5 = gs[5];  // (kA, vA), (vod, voi), (koff, f_sblk), flags..
+        auto ptr = [](uint32_t lo, uint32_t hi) { return reinterpret_cast<const char*>(((uint64_t)hi << 32) | lo); };
+        const uint32_t sf = g5.x;
+        const int kr2 = (int)g5.y, vr2 = (int)g5.z, nk = (int)g5.w;
+        if (sf & 0x0Fu) warp_copy_async<TL::A_BYTES>(st + TL::KA_OFF, ptr(g0.x, g0.y) + ts0 * kr2, kTile * kr2, lane);
+        if (sf & 0xF0u) warp_copy_async<TL::A_BYTES>(st + TL::VA_OFF, ptr(g0.z, g0.w) + ts0 * vr2, kTile * vr2, lane);
+        if (sf & kGdKOut)  // the 16-byte aligned window of 8 tile offsets holding tiles j, j + 1
+          warp_copy_async<32>(st + TL::KO_OFF,
+                              ptr(g2.x, g2.y) + blk * (int64_t)(((uint64_t)g2.w << 32) | g2.z) + (jt & ~3) * 4, 32,
+                              lane);
+        if (sf & kGdVStaged) {
+          warp_copy_async<TL::VOV_BYTES>(st + TL::VOV_OFF, ptr(g1.x, g1.y) + ts0 * nk * (int)sizeof(DType),
+                                         kTile * nk * (int)sizeof(DType), lane);
+          warp_copy_async<TL::VOI_BYTES>(st + TL::VOI_OFF, ptr(g1.z, g1.w) + ts0 * nk, kTile * nk, lane);
+        }
+        if (lane == 0) {
+          // the warp's next tile (t + kStep) lies in a later block, or there is none
+          const bool last = k + 1 >= ntiles || tb0 + kStep >= (seg ? nb : T0);
+          *reinterpret_cast<uint4*>(st + TL::GD_OFF) =
+              make_uint4(sf | ((uint32_t)(jt & 3) << 8) | (last ? kGdLast : 0u), (uint32_t)(seg ? 1 + blk : 0),
+                         (uint32_t)ts0, 0u);
         }
       }
     }
@@ -555,6 +695,35 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     const uint16_t* s_vs = reinterpret_cast<const uint16_t*>(st + TL::VS_OFF);
     const uint16_t* s_vz = reinterpret_cast<const uint16_t*>(st + TL::VZ_OFF);
 
+    const uint16_t* s_ka = reinterpret_cast<const uint16_t*>(st + TL::KA_OFF);
+    const uint16_t* s_va = reinterpret_cast<const uint16_t*>(st + TL::VA_OFF);
+    constexpr int KE = 4;  // key outlier entries per lane loaded ahead of their mma
+    // entry: fp16 bits of its correction | packed index << 16 (0xFFFF: none)
+    uint32_t e_w[KE];
+    int e_lo = 0, e_hi = 0;
+    uint32_t gf = 0;  // GearTileDesc::flags of this tile
+    const char* kod = nullptr;
+    const char* koi = nullptr;
+    int gbid = 0;
+    if constexpr (GEAR) {
+      const GearTileDesc* gd = reinterpret_cast<const GearTileDesc*>(st + TL::GD_OFF);
+      gf = gd->flags, gbid = gd->bid;
+      if (gf & kGdKOut) {  // this tile's key outlier entries [e_lo, e_hi): start their loads now
+        const GearSegCta* gs = reinterpret_cast<const GearSegCta*>(gcta + GearCta::SEG) + (gbid > 0 ? 1 : 0);
+        kod = gs->kod, koi = gs->koi;
+        if (gbid > 1) kod += (int64_t)(gbid - 1) * gs->d_sblk, koi += (int64_t)(gbid - 1) * gs->o_sblk;
+        const int32_t* s_ko = reinterpret_cast<const int32_t*>(st + TL::KO_OFF);
+        const int j = (gf >> 8) & 3;
+        e_lo = s_ko[j], e_hi = s_ko[j + 1];
+        const DType* od = reinterpret_cast<const DType*>(kod);
+        const uint16_t* oi = reinterpret_cast<const uint16_t*>(koi);
+#pragma unroll
+        for (int m = 0; m < KE; ++m) {
+          const int e = e_lo + lane + 32 * m;
+          e_w[m] = e < e_hi ? (gear_delta_ldg(od, e) | ((uint32_t)__ldg(oi + e) << 16)) : 0xFFFF0000u;
+        }
+      }
+    }
     // ---------------- S^T = K q^T: 2 m-tiles of 16 tokens ----------------
     // key rows nt * 8 + i (nt = 0..3): m-tile nt / 2, row half nt % 2
     uint32_t kw[4][CM::WK];
@@ -606,6 +775,12 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         const uint32_t az[4] = {za, za, zb, zb};
         mma16816(zc, az, qb[kk][0], qb[kk][1]);
       }
+      if constexpr (GEAR) {  // plain units before the GEAR terms add theirs: sc 2^24 + q . zero (exact scaling)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sc[mt][e] = fmaf(sc[mt][e], 16777216.f, zc[e & 1]);
+      }
     }
 #pragma unroll
     for (int kk = 0; kk < (SUBK ? 0 : NK); ++kk) {
@@ -630,101 +805,79 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           }
         }
         uint32_t a[4];
-        a[0] = hfma2_u32(extract_pair<BITS>(kw[2 * mt][pa / PK::PO], pa % PK::PO), ksa[0], kza[0]);
-        a[1] = hfma2_u32(extract_pair<BITS>(kw[2 * mt + 1][pa / PK::PO], pa % PK::PO), ksa[1], kza[1]);
-        a[2] = hfma2_u32(extract_pair<BITS>(kw[2 * mt][pb / PK::PO], pb % PK::PO), ksb[0], kzb[0]);
-        a[3] = hfma2_u32(extract_pair<BITS>(kw[2 * mt + 1][pb / PK::PO], pb % PK::PO), ksb[1], kzb[1]);
+        const uint32_t w0a = kw[2 * mt][pa / PK::PO], w1a = kw[2 * mt + 1][pa / PK::PO];
+        const uint32_t w0b = kw[2 * mt][pb / PK::PO], w1b = kw[2 * mt + 1][pb / PK::PO];
+        a[0] = hfma2_u32(extract_pair<BITS>(w0a, w0a >> 8, pa % PK::PO), ksa[0], kza[0]);
+        a[1] = hfma2_u32(extract_pair<BITS>(w1a, w1a >> 8, pa % PK::PO), ksa[1], kza[1]);
+        a[2] = hfma2_u32(extract_pair<BITS>(w0b, w0b >> 8, pb % PK::PO), ksb[0], kzb[0]);
+        a[3] = hfma2_u32(extract_pair<BITS>(w1b, w1b >> 8, pb % PK::PO), ksb[1], kzb[1]);
         mma16816(sc[mt], a, qb[kk][0], qb[kk][1]);
       }
     }
-    GearTile gt{};
-    GearSegView kg{}, vg{};
-    const uint16_t* s_ka = reinterpret_cast<const uint16_t*>(st + TL::KA_OFF);
-    const uint16_t* s_va = reinterpret_cast<const uint16_t*>(st + TL::VA_OFF);
-    constexpr int KE = 4;  // key outlier entries per lane loaded ahead of the QK mma
-    uint32_t e_w[KE];  // entry: packed index (low 16 bits) | fp16 bits of its correction << 16
-    int e_lo = 0, e_hi = 0;
     if constexpr (GEAR) {
-      gt = gear_tile(p, t0);
-      kg = gear_seg<DType>(p.gk, b, h, gt.seg, gt.blk);
-      vg = gear_seg<DType>(p.gv, b, h, gt.seg, gt.blk);
-      if (kg.k > 0) {  // this tile's key outlier entries [e_lo, e_hi): start their loads now
-        const int32_t* s_ko = reinterpret_cast<const int32_t*>(st + TL::KO_OFF);
-        const int j = (gt.tb0 / kTile) & 3;
-        e_lo = s_ko[j], e_hi = s_ko[j + 1];
-        const DType* od = reinterpret_cast<const DType*>(kg.od);
-        const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
-#pragma unroll
-        for (int m = 0; m < KE; ++m) {
-          const int e = e_lo + lane + 32 * m;
-          e_w[m] = e < e_hi ? ((uint32_t)(uint16_t)__ldg(oi + e) | ((uint32_t)gear_delta_bits(od[e]) << 16)) : 0u;
-        }
-      }
-    }
-    if constexpr (GEAR) {
-      if (gt.bid != cur_bid) {
-        cur_bid = gt.bid;
+      const int kr = (int)(gf & 15u);
+      if (gbid != cur_bid) {  // a new block for this warp (rare: once per block and warp)
+        cur_bid = gbid;
         // q . B_k of this block (lanes over channels, butterfly sums), scaled like q
-        if (kg.r > 0) {
-          for (int hr = 0; hr < g * kg.r; ++hr) {
-            const int hh = hr / kg.r, j = hr - hh * kg.r;
+        if (kr > 0) {
+          const GearSegView kg = gear_seg<DType>(p.gk, b, h, gbid > 0 ? 1 : 0, gbid > 0 ? gbid - 1 : 0);
+          for (int hr = 0; hr < g * kr; ++hr) {
+            const int hh = hr / kr, j = hr - hh * kr;
             float a = 0.f;
 #pragma unroll
             for (int m = 0; m < D / 32; ++m) {
               const int ch = lane + 32 * m;
-              a += s_q[hh * D + ch] * half_bits_to_float(__ldg(kg.Bf + ch * kg.r + j));
+              a += s_q[hh * D + ch] * half_bits_to_float(__ldg(kg.Bf + ch * kr + j));
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
             if (lane == 0) s_qb[hh * 8 + j] = a;
           }
           __syncwarp();
-          const float q0 = (i < g && 2 * c < kg.r) ? s_qb[i * 8 + 2 * c] * rq : 0.f;
-          const float q1 = (i < g && 2 * c + 1 < kg.r) ? s_qb[i * 8 + 2 * c + 1] * rq : 0.f;
+          const float q0 = (i < g && 2 * c < kr) ? s_qb[i * 8 + 2 * c] * rq : 0.f;
+          const float q1 = (i < g && 2 * c + 1 < kr) ? s_qb[i * 8 + 2 * c + 1] * rq : 0.f;
           qlr = pack_half2(q0, q1);
         }
       }
-      if (kg.r > 0) {  // scores += A_k[t] . qB: one mma per 16 tokens (ranks = k, zero beyond r)
+      if (kr > 0) {  // scores += A_k[t] . qB: one mma per 16 tokens (ranks = k, zero beyond r)
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
           uint32_t a[4];
-          a[0] = gear_pair(s_ka, 16 * mt + i, 2 * c, kg.r);
-          a[1] = gear_pair(s_ka, 16 * mt + i + 8, 2 * c, kg.r);
+          a[0] = gear_pair(s_ka, 16 * mt + i, 2 * c, kr);
+          a[1] = gear_pair(s_ka, 16 * mt + i + 8, 2 * c, kr);
           a[2] = a[3] = 0u;
           mma16816(sc[mt], a, qlr, 0u);
         }
       }
-      if (kg.k > 0) {
+      if (gf & kGdKOut) {
         // key outliers: score_t += q_c d_tc.  The tile's entries (sorted by token, one per lane
         // and round) write their stored corrections into a dense fp16 tile of half the tokens,
-        // channels in QK mma order, which runs through the QK mma with q like the codes; then
-        // the entries are cleared (the value path finds the tile zero).
-        const DType* od = reinterpret_cast<const DType*>(kg.od);
-        const uint16_t* oi = reinterpret_cast<const uint16_t*>(kg.oi);
-        // slot of an entry: token * DVS + its channel's position in QK mma order (pk: bits 0..15)
-        auto kslot = [&](uint32_t pk) {
-          const int tl = (pk >> 8) & (kTile - 1), ch = pk & (D - 1);
-          const int cq = ch / (D / 4), l = ch % (D / 4), r = l % PK::CPW;
-          const int pp = (l / PK::CPW) * PK::PO + r % PK::PO;
-          return (uint32_t)(tl * DVS + 16 * (pp >> 1) + 8 * (pp & 1) + 2 * cq + r / PK::PO);  // tl in [0, 32)
+        // channels in QK mma order (position table klut), which runs through the QK mma with q
+        // like the codes; then the entries are cleared (the value path finds the tile zero).
+        const uint8_t* klut = reinterpret_cast<const uint8_t*>(gcta + GearCta::KLUT);
+        const DType* od = reinterpret_cast<const DType*>(kod);
+        const uint16_t* oi = reinterpret_cast<const uint16_t*>(koi);
+        const uint32_t dv_base = (unsigned)__cvta_generic_to_shared(s_dv);
+        // shared address of an entry (packed index pk) in the dense tile of its half
+        auto kaddr = [&](uint32_t pk) {
+          return dv_base + (((pk >> 8) & 15u) * DVS + klut[pk & (D - 1)]) * 2u;
         };
-        uint32_t e_at[KE];
+        uint32_t e_ad[KE];  // (garbage for no entry: never stored)
 #pragma unroll
-        for (int m = 0; m < KE; ++m) e_at[m] = e_lo + lane + 32 * m < e_hi ? kslot(e_w[m]) : 0xffffffffu;
+        for (int m = 0; m < KE; ++m) e_ad[m] = kaddr(e_w[m] >> 16);
+        // entry m exists (bit 31 of e_w clear) and lies in half mt (token >> 4: bit 28)
+        auto in_half = [&](int m, int mt) { return (e_w[m] & 0x90000000u) == (mt ? 0x10000000u : 0u); };
         // ldmatrix.x4 rows of this lane: tokens (lane & 7) + 8 ((lane >> 3) & 1), k + 8 (lane >> 4)
-        const unsigned ld_base = (unsigned)__cvta_generic_to_shared(
-            s_dv + ((lane & 7) + 8 * ((lane >> 3) & 1)) * DVS + 8 * (lane >> 4));
+        const unsigned ld_base = dv_base + 2u * (((lane & 7) + 8 * ((lane >> 3) & 1)) * DVS + 8 * (lane >> 4));
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          const uint32_t lo = (uint32_t)(16 * mt * DVS), hi = lo + 16u * DVS;  // this half's slots
-          auto put = [&](uint32_t at, uint16_t v) {
-            if (at >= lo && at < hi) s_dv[at - lo] = v;
-          };
 #pragma unroll
-          for (int m = 0; m < KE; ++m) put(e_at[m], (uint16_t)(e_w[m] >> 16));
-          for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {  // entries beyond the preloaded rounds
+          for (int m = 0; m < KE; ++m)
+            if (in_half(m, mt)) sts_u16(e_ad[m], e_w[m]);
+          for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {  // entries beyond the preloaded rounds (rare)
             const int e = e0 + lane;
-            if (e < e_hi) put(kslot(__ldg(oi + e)), gear_delta_bits(od[e]));
+            const uint32_t pk = e < e_hi ? (uint32_t)__ldg(oi + e) : 0u;
+            if (e < e_hi && ((pk >> 12) & 1u) == (uint32_t)mt) sts_u16(kaddr(pk), gear_delta_ldg(od, e));
           }
           __syncwarp();
 #pragma unroll
@@ -735,17 +888,19 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           }
           __syncwarp();
 #pragma unroll
-          for (int m = 0; m < KE; ++m) put(e_at[m], 0);
+          for (int m = 0; m < KE; ++m)
+            if (in_half(m, mt)) sts_u16(e_ad[m], 0u);
           for (int e0 = e_lo + 32 * KE; e0 < e_hi; e0 += 32) {
             const int e = e0 + lane;
-            if (e < e_hi) put(kslot(__ldg(oi + e)), 0);
+            const uint32_t pk = e < e_hi ? (uint32_t)__ldg(oi + e) : 0u;
+            if (e < e_hi && ((pk >> 12) & 1u) == (uint32_t)mt) sts_u16(kaddr(pk), 0u);
           }
           __syncwarp();
         }
       }
     }
     // ---------------- online softmax: heads 2c (e even) and 2c + 1 (e odd) ----------------
-    if constexpr (SUBK) {  // (sc 2^24 + q . zero) * score factor
+    if constexpr (SUBK && !GEAR) {  // (sc 2^24 + q . zero) * score factor
       const float zA = zc[0] * sfA, zB = zc[1] * sfB, kA = 16777216.f * sfA, kB = 16777216.f * sfB;
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
@@ -853,53 +1008,40 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
           if (qq / PK::PO != wi) continue;  // resolved at compile time except for soff
           const int s = qq % PK::PO;
           uint32_t a[4];
-          a[0] = hfma2_u32(extract_pair<BITS>(X01, s), S01, Z01);  // channel row i (member 0), tokens 2c, 2c+1
-          a[1] = hfma2_u32(extract_pair<BITS>(Y01, s), S01, Z01);  // row i + 8 (member 1)
-          a[2] = hfma2_u32(extract_pair<BITS>(X89, s), S89, Z89);  // row i, tokens 2c+8, 2c+9
-          a[3] = hfma2_u32(extract_pair<BITS>(Y89, s), S89, Z89);
+          // channel row i (member 0), tokens 2c, 2c+1
+          a[0] = hfma2_u32(extract_pair<BITS>(X01, X01 >> 8, s), S01, Z01);
+          a[1] = hfma2_u32(extract_pair<BITS>(Y01, Y01 >> 8, s), S01, Z01);  // row i + 8 (member 1)
+          a[2] = hfma2_u32(extract_pair<BITS>(X89, X89 >> 8, s), S89, Z89);  // row i, tokens 2c+8, 2c+9
+          a[3] = hfma2_u32(extract_pair<BITS>(Y89, Y89 >> 8, s), S89, Z89);
           mma16816(acc[pp], a, pt[kst][0], pt[kst][1]);
         }
       }
     }
     if constexpr (GEAR) {
-      if (vg.r > 0) {  // U^T (ranks x heads) += A_v^T (ranks x tokens) . P^T
+      const int vr = (int)((gf >> 4) & 15u);
+      if (vr > 0) {  // U^T (ranks x heads) += A_v^T (ranks x tokens) . P^T
 #pragma unroll
         for (int kst = 0; kst < 2; ++kst) {
           uint32_t a[4];
           const int tA = 16 * kst + 2 * c;
-          a[0] = i < vg.r ? ((uint32_t)s_va[tA * vg.r + i] | ((uint32_t)s_va[(tA + 1) * vg.r + i] << 16)) : 0u;
-          a[2] = i < vg.r ? ((uint32_t)s_va[(tA + 8) * vg.r + i] | ((uint32_t)s_va[(tA + 9) * vg.r + i] << 16)) : 0u;
+          a[0] = i < vr ? ((uint32_t)s_va[tA * vr + i] | ((uint32_t)s_va[(tA + 1) * vr + i] << 16)) : 0u;
+          a[2] = i < vr ? ((uint32_t)s_va[(tA + 8) * vr + i] | ((uint32_t)s_va[(tA + 9) * vr + i] << 16)) : 0u;
           a[1] = a[3] = 0u;
           float d[4] = {u[0], u[1], 0.f, 0.f};
           mma16816(d, a, pt[kst][0], pt[kst][1]);
           u[0] = d[0], u[1] = d[1];
         }
       }
-      if (vg.k > 0) {
-        // value outliers: out_c += p_t d_tc.  Lane = token; its 2k stored corrections go into a
-        // dense fp16 tile (half a tile of tokens at a time, channels in this kernel's mma order)
-        // that runs through the PV mma like the codes, then the entries are cleared again.
-        const int tl = lane, nk = 2 * vg.k;
-        const bool staged = nk <= TL::VO_MAX;  // in the ring (else read from global memory)
-        const DType* od = staged ? reinterpret_cast<const DType*>(st + TL::VOV_OFF) + tl * nk
-                                 : reinterpret_cast<const DType*>(vg.od) + (int64_t)(gt.ts0 + tl) * nk;
-        const char* oi = staged ? st + TL::VOI_OFF + tl * nk : vg.oi;
-        const int toff = staged ? 0 : (gt.ts0 + tl) * nk;
-        const int ib = staged ? 1 : vg.ibytes;
-        auto vpos = [&](int ch) {  // position of channel ch: m-tile pp, row i (+ 8 for member 1)
-          const int r = ch % PK::CPW, pr = (ch / PK::CPW) * PK::PO + r % PK::PO;
-          return 16 * (pr % CM::VP) + pr / CM::VP + 8 * (r / PK::PO);
-        };
-        uint16_t* my_row = s_dv + (tl & 15) * DVS;
+      if (gf & kGdVOut) {
+        // value outliers: out_c += p_t d_tc.  The stored corrections go into a dense fp16 tile
+        // (half a tile of tokens at a time, channels in this kernel's PV mma order: position
+        // table vlut) that runs through the PV mma like the codes, then the entries are cleared.
+        const uint8_t* vlut = reinterpret_cast<const uint8_t*>(gcta + GearCta::vlut(D));
+        const int nk = (int)(gf >> 16) & 255;
         // ldmatrix.x4.trans rows of this lane: tokens (lane & 7) + 8 (lane >> 4), positions + 8 ((lane >> 3) & 1)
         const unsigned ld_base = (unsigned)__cvta_generic_to_shared(
             s_dv + ((lane & 7) + 8 * (lane >> 4)) * DVS + 8 * ((lane >> 3) & 1));
-#pragma unroll
-        for (int kst = 0; kst < 2; ++kst) {
-          const bool mine = (tl >> 4) == kst;
-          if (mine) {
-            for (int j = 0; j < nk; ++j) my_row[vpos(gear_idx(oi, ib, toff + j))] = gear_delta_bits(od[j]);
-          }
+        auto pv_mma = [&](int kst) {
           __syncwarp();
 #pragma unroll
           for (int pp = 0; pp < MV; ++pp) {
@@ -908,22 +1050,70 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
             mma16816(acc[pp], a, pt[kst][0], pt[kst][1]);
           }
           __syncwarp();
-          if (mine)
-            for (int j = 0; j < nk; ++j) my_row[vpos(gear_idx(oi, ib, toff + j))] = 0;
-          __syncwarp();
+        };
+        if (gf & kGdVStaged) {
+          // staged in the ring (uint8 channels, 2k <= VO_MAX): lanes 2x, 2x + 1 take token
+          // 16 kst + x, entries [k (lane & 1), k (lane & 1) + k) of its 2k
+          const uint8_t* voi = reinterpret_cast<const uint8_t*>(st + TL::VOI_OFF);
+          const DType* vov = reinterpret_cast<const DType*>(st + TL::VOV_OFF);
+          const uint32_t my_row = (unsigned)__cvta_generic_to_shared(s_dv + (lane >> 1) * DVS);
+          auto run = [&](auto kv_c) {  // k = KV entries per lane, unrolled exactly
+            constexpr int KV = decltype(kv_c)::value;
+#pragma unroll
+            for (int kst = 0; kst < 2; ++kst) {
+              const int j0 = (16 * kst + (lane >> 1)) * (2 * KV) + (lane & 1) * KV;
+              uint32_t ch[KV], dl[KV], at[KV];
+              gear_stage_entries<DType, KV>(voi + j0, vov + j0, ch, dl);
+#pragma unroll
+              for (int jj = 0; jj < KV; ++jj) {
+                at[jj] = my_row + 2u * vlut[ch[jj] & (D - 1)];  // (a channel >= D, invalid input, stays in the tile)
+                sts_u16(at[jj], dl[jj]);
+              }
+              pv_mma(kst);
+#pragma unroll
+              for (int jj = 0; jj < KV; ++jj) sts_u16(at[jj], 0u);
+              __syncwarp();
+            }
+          };
+          switch (nk >> 1) {
+            case 1: run(std::integral_constant<int, 1>{}); break;
+            case 2: run(std::integral_constant<int, 2>{}); break;
+            case 3: run(std::integral_constant<int, 3>{}); break;
+            default: run(std::integral_constant<int, 4>{}); break;
+          }
+        } else {
+          // from global memory (more than VO_MAX entries per token, or wider indices; rare):
+          // lane = token, half a tile at a time
+          const GearSegView vg = gear_seg<DType>(p.gv, b, h, gbid > 0 ? 1 : 0, gbid > 0 ? gbid - 1 : 0);
+          const int tl = lane;
+          const int ts0 = reinterpret_cast<const GearTileDesc*>(st + TL::GD_OFF)->ts0;
+          const DType* od = reinterpret_cast<const DType*>(vg.od) + (int64_t)(ts0 + tl) * nk;
+          const int toff = (ts0 + tl) * nk;
+          uint16_t* my_row = s_dv + (tl & 15) * DVS;
+#pragma unroll
+          for (int kst = 0; kst < 2; ++kst) {
+            const bool mine = (tl >> 4) == kst;
+            if (mine)
+              for (int j = 0; j < nk; ++j)
+                my_row[vlut[gear_idx(vg.oi, vg.ibytes, toff + j) & (D - 1)]] = gear_delta_bits(od[j]);
+            pv_mma(kst);
+            if (mine)
+              for (int j = 0; j < nk; ++j) my_row[vlut[gear_idx(vg.oi, vg.ibytes, toff + j) & (D - 1)]] = 0;
+            __syncwarp();
+          }
         }
       }
       // end of a block for this warp: O^T += B_v (channels x ranks) . U (ranks x heads)
-      const bool last = k + 1 >= ntiles || gear_tile(p, t0 + kWarps * kTile).bid != gt.bid;
-      if (vg.r > 0 && last) {
+      if (vr > 0 && (gf & kGdLast)) {
+        const GearSegView vg = gear_seg<DType>(p.gv, b, h, gbid > 0 ? 1 : 0, gbid > 0 ? gbid - 1 : 0);
         const uint32_t ub = movmatrix_trans(pack_half2(u[0], u[1]));  // lane (i, c): head i, ranks 2c, 2c + 1
 #pragma unroll
         for (int pp = 0; pp < MV; ++pp) {
           const int pair = i * CM::VP + pp;
           const int ch0 = (pair / PK::PO) * PK::CPW + pair % PK::PO, ch1 = ch0 + PK::PO;
           uint32_t a[4];
-          a[0] = gear_pair(vg.Bf, ch0, 2 * c, vg.r);
-          a[1] = gear_pair(vg.Bf, ch1, 2 * c, vg.r);
+          a[0] = gear_pair(vg.Bf, ch0, 2 * c, vr);
+          a[1] = gear_pair(vg.Bf, ch1, 2 * c, vr);
           a[2] = a[3] = 0u;
           mma16816(acc[pp], a, ub, 0u);
         }
@@ -1136,10 +1326,16 @@ struct SplitPlan {
 /// Shared memory: q as floats [g][D] (generic path, GEAR), then per warp max(ring, slot)
 /// bytes (the mma ring; the warp's (m, l, acc) slot [g][D + 2] floats reuses its start),
 /// followed by the GEAR scratch for GEAR layers.
+/// The mma kernels (g <= 8 query heads per KV head: the N = 8 mma columns) size shared memory
+/// for 8 heads whatever g is, so that every offset is a compile-time constant (the tile loop
+/// rematerializes its ring and scratch pointers instead of keeping them in registers).
+constexpr int kMmaMaxGroup = 8;
+template <bool MMA>
+KVQ_HOST_DEVICE int layout_group(int g) { return MMA ? kMmaMaxGroup : g; }
 template <int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int VB = 2>
 KVQ_HOST_DEVICE size_t warp_region_bytes(int g) {
   using TL = TileLayout<D, BITS, KPC, GEAR, VB>;
-  const size_t slot = sizeof(float) * (size_t)g * (D + 2);
+  const size_t slot = sizeof(float) * (size_t)layout_group<MMA>(g) * (D + 2);
   size_t r = slot;
   if constexpr (MMA) r = TL::RING > slot ? TL::RING : slot;
   r = (r + 15) / 16 * 16;
@@ -1147,9 +1343,14 @@ KVQ_HOST_DEVICE size_t warp_region_bytes(int g) {
   return r;
 }
 KVQ_HOST_DEVICE size_t q_region_bytes(int g, int D) { return (sizeof(float) * (size_t)g * D + 15) / 16 * 16; }
+/// q (and, for GEAR layers, the GearCta header after it): the part of shared memory before the warp regions.
+template <bool MMA, bool GEAR>
+KVQ_HOST_DEVICE size_t head_region_bytes(int g, int D) {
+  return q_region_bytes(layout_group<MMA>(g), D) + (GEAR ? (size_t)GearCta::bytes(D) : 0);
+}
 template <int D, int BITS, bool KPC, bool MMA, bool GEAR = false, int VB = 2>
 inline size_t decode_attention_smem_bytes(int g) {
-  return q_region_bytes(g, D) + kWarps * warp_region_bytes<D, BITS, KPC, MMA, GEAR, VB>(g);
+  return head_region_bytes<MMA, GEAR>(g, D) + kWarps * warp_region_bytes<D, BITS, KPC, MMA, GEAR, VB>(g);
 }
 
 // Resident CTAs per SM the D <= 128 kernels are compiled for: 3 caps registers at 168 (the
@@ -1167,13 +1368,15 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   const int g = (int)(p.Hq / p.H);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
-  const size_t qbytes = q_region_bytes(g, D);
+  char* gcta = smem + q_region_bytes(layout_group<MMA>(g), D);  // GEAR: GearCta header
+  const size_t qbytes = head_region_bytes<MMA, GEAR>(g, D);
   const size_t wbytes = warp_region_bytes<D, BITS, KPC, MMA, GEAR, sizeof(DType)>(g);
   char* region = smem + qbytes + warp * wbytes;
   float* slot = reinterpret_cast<float*>(region);
   const DType* qg = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
-  if constexpr (GEAR) {  // the GEAR extras read q in fp32
+  if constexpr (GEAR) {  // the GEAR extras read q in fp32; the GearCta header
     for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
+    if (MMA) gear_cta_fill<DType, D, BITS, TileLayout<D, BITS, KPC, GEAR, sizeof(DType)>::VO_MAX>(p, b, h, gcta);
     __syncthreads();
   }
   const int64_t t_begin = split * plan.chunk_main;
@@ -1182,7 +1385,7 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
   if constexpr (MMA) {
     if (t_begin < t_end) {
       warp_mma<DType, D, BITS, KPC, GEAR, NGV>(p, b, h, g, t_begin, t_end, warp, slot, region,
-                                          region + (wbytes - (GEAR ? GearScratch::bytes(D) : 0)), s_q);
+                                               region + (wbytes - (GEAR ? GearScratch::bytes(D) : 0)), s_q, gcta);
       have_mma = true;
     }
   }
