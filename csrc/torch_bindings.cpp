@@ -5,9 +5,39 @@
 
 #include "ops.h"
 
+#ifdef KVQ_WITH_CUDA
+namespace kvq {
+namespace attention {
+// csrc/cuda/decode_attention_kernels.cu (declared in kvq/cuda_api.h)
+int decode_attention_fused_combine(int mode);
+}  // namespace attention
+}  // namespace kvq
+#endif
+
+// kvquant_ext._C._decode_fused_combine(mode=-1) -> int: the split combine of the CUDA
+// decode-attention kernels, 1 = fused into the split kernel, 0 = a second (combine) kernel,
+// -1 = unchanged; returns the previous mode (-1 on a build without CUDA).  The initial mode
+// comes from KVQ_DECODE_FUSED_COMBINE (default 1).  For tests and A/B benchmarks; launches
+// captured in a CUDA graph keep the mode they were captured with.
+static PyObject* kvq_decode_fused_combine(PyObject*, PyObject* args) {
+  int mode = -1;
+  if (!PyArg_ParseTuple(args, "|i", &mode)) return nullptr;
+#ifdef KVQ_WITH_CUDA
+  return PyLong_FromLong(kvq::attention::decode_attention_fused_combine(mode));
+#else
+  (void)mode;
+  return PyLong_FromLong(-1);
+#endif
+}
+
+static PyMethodDef kMethods[] = {
+    {"_decode_fused_combine", kvq_decode_fused_combine, METH_VARARGS,
+     "Decode-attention split combine: 1 fused, 0 two launches, -1 query; returns the previous mode."},
+    {nullptr, nullptr, 0, nullptr}};
+
 // `import kvquant_ext._C` loads this library, which registers the ops below.
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, kMethods};
   return PyModule_Create(&module_def);
 }
 

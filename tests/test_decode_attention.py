@@ -186,6 +186,121 @@ def test_cuda_graph_capture():
     assert torch.equal(out, out2)
 
 
+# ---- split combine: fused into the split kernel (the last CTA of a row merges) vs two launches ----
+def _combine_mode(mode=-1):
+    """The CUDA split-combine mode: 1 fused, 0 two launches, -1 leave; returns the previous
+    mode (-1 on a build without CUDA)."""
+    from kvquant_ext import _C
+    return _C._decode_fused_combine(mode)
+
+
+@pytest.fixture
+def restore_combine_mode():
+    prev = _combine_mode()
+    yield
+    _combine_mode(prev)
+
+
+def test_combine_mode_switch(restore_combine_mode):
+    prev = _combine_mode()
+    if not kvq.built_with_cuda:
+        assert prev == -1
+        return
+    assert prev in (0, 1)
+    assert _combine_mode(0) == prev
+    assert _combine_mode(1) == 0
+    assert _combine_mode() == 1
+
+
+def _cpu_op(cache, q, mask, scale):
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    cpu_ops = [t.cpu() for t in (*kst.attention_operands(), *vst.attention_operands())]
+    return kvq.ops.decode_attention_gq(q.cpu(), *cpu_ops, None if mask is None else mask.cpu(), kst.spec.bits,
+                                       kst.spec.per_channel, vst.spec.bits, vst.spec.per_channel, scale)
+
+
+# (preset, B, H, Hq, T, D, masked): B = 1 short (residual only: generic kernel) and long
+# (mma + tail-only CTAs; many splits), the Llama-3-8B bench shape, batch > 1 with a mask and a
+# fully masked row, g = 16 (generic kernel, 16 heads per CTA), 4-bit and per-token keys,
+# GEAR and HQMQ (their own kernels, same combine).
+FUSED_CASES = [
+    ("kivi-2", 1, 8, 32, 40, 128, False),
+    ("kivi-2", 1, 8, 32, 4096, 128, False),
+    ("kivi-2", 1, 2, 8, 20000, 128, False),
+    ("kivi-4", 3, 4, 16, 5000, 128, True),
+    ("int4-per-token", 2, 4, 16, 3000, 128, False),
+    ("kivi-2", 2, 2, 32, 700, 64, True),
+    ("kivi-2", 1, 2, 4, 3000, 256, False),
+    ("gear-2", 2, 2, 8, 1500, 128, False),
+    ("hqmq-3.79", 1, 2, 8, 3000, 128, False),
+]
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset,B,H,Hq,T,D,masked", FUSED_CASES)
+def test_cuda_fused_combine_matches_two_launch(restore_combine_mode, preset, B, H, Hq, T, D, masked):
+    """The fused combine gives the bits of the two-launch path (same partials, same merge
+    arithmetic in split order), is deterministic (arrival order of the CTAs does not matter)
+    and leaves its tickets zeroed (repeated calls agree); and it matches the CPU op."""
+    cache = build_cache(preset, B, H, T, D, torch.float16, "cuda", steps=3)
+    q = torch.randn(B, Hq, D, dtype=torch.float16, device="cuda")
+    mask = None
+    if masked:
+        mask = torch.ones(B, T + 3, dtype=torch.bool, device="cuda")
+        mask[1, :T // 3] = False
+        mask[B - 1] = False  # a fully masked row: zeros
+    _combine_mode(0)
+    two = kvq.decode_attention(q, cache, 0, attn_mask=mask)
+    _combine_mode(1)
+    outs = [kvq.decode_attention(q, cache, 0, attn_mask=mask) for _ in range(3)]
+    torch.cuda.synchronize()
+    for o in outs:
+        assert torch.equal(o, two)
+    if masked:
+        assert torch.equal(two[B - 1], torch.zeros_like(two[B - 1]))
+    if preset.startswith(("gear", "hqmq")):
+        check(cache, q, mask, tol=1e-2)
+    else:
+        ref = _cpu_op(cache, q, mask, D ** -0.5)
+        err = (two.cpu().float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)
+        assert err < 3e-3, f"relative error vs the CPU op {err:.2e}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", [1, 0])
+def test_cuda_fused_combine_graph_replay(restore_combine_mode, mode):
+    """Two calls (long B = 1 and short) captured in one CUDA graph, replayed twice in a row and
+    again after new q values were copied in: each replay equals eager calls (the fused tickets
+    are reset by every launch; each call has its own tickets)."""
+    _combine_mode(mode)
+    long_c = build_cache("kivi-2", 1, 8, 4096, 128, torch.float16, "cuda", steps=1)
+    short_c = build_cache("kivi-4", 2, 4, 300, 128, torch.float16, "cuda", steps=1)
+    q1 = torch.randn(1, 32, 128, dtype=torch.float16, device="cuda")
+    q2 = torch.randn(2, 16, 128, dtype=torch.float16, device="cuda")
+
+    def run():
+        return kvq.decode_attention(q1, long_c, 0), kvq.decode_attention(q2, short_c, 0)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # warm-up (and the ticket buffer) outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            o1, o2 = run()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    for step in range(3):
+        if step == 2:
+            q1.copy_(torch.randn_like(q1))
+            q2.copy_(torch.randn_like(q2))
+        e1, e2 = run()
+        g.replay()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(o1, e1) and torch.equal(o2, e2), f"replay {step}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset", ["kivi-2", "fp16", "gear-2"])
 def test_fully_masked_row_gives_zeros(device, preset):

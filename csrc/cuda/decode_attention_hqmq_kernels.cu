@@ -1,6 +1,6 @@
 // HQMQ decode-attention entry points: shared-memory plan, split plan (sized by the occupancy of
-// the instantiation that will run), launch of HqmqDecodeAttentionKernel and of the shared
-// split-combine kernel.  Kernels: include/kvq/attention/decode_attention_hqmq.cuh.
+// the instantiation that will run), launch of HqmqDecodeAttentionKernel (fused combine) or of it
+// and the shared split-combine kernel.  Kernels: include/kvq/attention/decode_attention_hqmq.cuh.
 #include "kvq/attention/decode_attention_hqmq.cuh"
 #include "kvq/cuda_api.h"
 #include "kvq/quant/group_quant.cuh"
@@ -57,14 +57,13 @@ static cudaError_t launch_hqmq(const HqmqAttnParams& p, const SplitPlan& plan, c
   auto kernel = HqmqDecodeAttentionKernel<DType, D, FMT>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm.total);
   if (e != cudaSuccess) return e;
-  dim3 grid((unsigned)plan.splits(), (unsigned)(p.B * p.H));
-  kernel<<<grid, hqmq_warps(D) * 32, sm.total, stream>>>(p, plan, sm);
+  if (reinterpret_cast<uintptr_t>(p.ws) % 16 != 0) return cudaErrorMisalignedAddress;
+  HqmqAttnParams pk = p;
+  pk.tickets = fused_combine_tickets(p.B * p.H, (int)(p.Hq / p.H), plan.splits(), sm.total, stream);
+  kernel<<<split_grid(plan, p.B * p.H), hqmq_warps(D) * 32, sm.total, stream>>>(pk, plan, sm);
   e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  DecodeAttnParams cp;  // the combine kernel reads only ws and writes out
-  cp.ws = p.ws;
-  cp.out = p.out;
-  return LaunchDecodeAttentionCombine<DType, D>(cp, p.B * p.Hq, plan.splits(), stream);
+  if (e != cudaSuccess || pk.tickets != nullptr) return e;
+  return LaunchDecodeAttentionCombine<DType, D>(p.ws, p.out, p.B * p.Hq, plan.splits(), stream);
 }
 
 cudaError_t decode_attention_hqmq_cuda(const HqmqAttnParams& p, DTypeId dtype, cudaStream_t stream) {

@@ -88,8 +88,12 @@ namespace kvq {
 namespace attention {
 /// \brief Number of token splits (partials in p.ws) the launch will use for p.
 int decode_attention_splits(const DecodeAttnParams& p, DTypeId dtype);
-/// \brief Fused decode attention; p.ws must hold B * Hq * splits * (D + 2) floats.
+/// \brief Fused decode attention; p.ws must hold B * Hq * splits * (D + 2) floats (16-byte aligned).
 cudaError_t decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief Split combine of the decode-attention kernels (group-quantized, GEAR, HQMQ): mode 1 =
+/// fused into the split kernel (the last CTA of each row merges), 0 = a second kernel, < 0 =
+/// unchanged; returns the previous mode.  Initial mode: KVQ_DECODE_FUSED_COMBINE (default 1).
+int decode_attention_fused_combine(int mode);
 /// \brief Can the CUDA kernels run this GEAR layer (p.gear)?  (Its compressed tokens need the
 /// tensor-core path.)
 bool decode_attention_gear_cuda_ok(const DecodeAttnParams& p);
@@ -103,7 +107,7 @@ namespace kvq {
 namespace attention {
 /// \brief Number of token splits (partials in p.ws) the HQMQ launch will use for p.
 int decode_attention_hqmq_splits(const HqmqAttnParams& p, DTypeId dtype);
-/// \brief Fused HQMQ decode attention; p.ws must hold B * Hq * splits * (D + 2) floats.
+/// \brief Fused HQMQ decode attention; p.ws must hold B * Hq * splits * (D + 2) floats (16-byte aligned).
 cudaError_t decode_attention_hqmq_cuda(const HqmqAttnParams& p, DTypeId dtype, cudaStream_t stream);
 }  // namespace attention
 }  // namespace kvq

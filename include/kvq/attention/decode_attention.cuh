@@ -1,7 +1,8 @@
 // Fused decode attention over a group-quantized KV cache + full-precision residual.
 // Torch-free.  Flash-decoding: the token axis is split over CTAs (one (batch, KV head)
 // per CTA row), each warp runs its own online softmax over 32-token tiles, the CTA merges
-// its warps, and a small combine kernel merges the splits.
+// its warps and writes its split partial; the last CTA of a row to finish merges the row's
+// splits (fused combine, split tickets), or a small combine kernel does (two-launch path).
 //
 // Tensor-core path (tokens quantized in both K and V, the bulk of a long cache), in
 // transposed form so that the <= 8 query heads of a KV head are the N = 8 mma columns:
@@ -518,41 +519,6 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
   const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
 
-  // ---- q^T B-fragments of head i, normalised per head so fp16 cannot overflow ----
-  float qm = 0.f;
-  if (i < g) {
-#pragma unroll
-    for (int pp = 0; pp < CM::KP; ++pp)
-#pragma unroll
-      for (int m = 0; m < 2; ++m) qm = fmaxf(qm, fabsf(to_float(q[i * D + c * (D / 4) + CM::channel(pp, m)])));
-  }
-  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 1));
-  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 2));
-  qm = qm > 0.f ? qm : 1.f;
-  const float rq = 1.f / qm;
-  // qb: the B fragments of q^T / max|q|; qf (per-channel keys, subnormal codes): the same
-  // divided by 2^off of each pair (exact powers of two), so that (code 2^(off-24)) . (qf s) =
-  // code q s 2^-24 whatever the pair's bit offset
-  uint32_t qb[NK][2], qf[NKF][2];
-#pragma unroll
-  for (int kk = 0; kk < NK; ++kk) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // r = 0: pair 2kk (k rows 2c, 2c+1), r = 1: pair 2kk + 1 (rows 2c+8, 2c+9)
-      const int pp = 2 * kk + r;
-      const int cha = c * (D / 4) + CM::channel(pp, 0), chb = c * (D / 4) + CM::channel(pp, 1);
-      const float xa = i < g ? to_float(q[i * D + cha]) * rq : 0.f, xb = i < g ? to_float(q[i * D + chb]) * rq : 0.f;
-      qb[kk][r] = pack_half2(xa, xb);
-      if constexpr (SUBK) {
-        const float f = 1.f / (float)(1 << sub_off<BITS>(pp % PK::PO));
-        qf[kk][r] = pack_half2(xa * f, xb * f);
-      }
-    }
-  }
-  // this lane's softmax heads are 2c and 2c + 1: their score factors (log2 domain)
-  const float sl = p.scale * kLog2e;
-  const float sfA = __shfl_sync(0xffffffffu, qm, (2 * c) * 4) * sl;
-  const float sfB = __shfl_sync(0xffffffffu, qm, (2 * c + 1) * 4) * sl;
-
   float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
   float acc[MV][4];  // O^T: rows = channels (i, i + 8 of m-tile), cols = heads 2c, 2c + 1
 #pragma unroll
@@ -676,8 +642,56 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
     }
     cp_async_commit();  // (possibly empty) group: keeps the wait count uniform
   };
+  // D >= 128: the first tiles' copies go out before the q fragments are built, so that the
+  // latency of the q loads below overlaps theirs (written out rather than as a loop over
+  // STAGES - 1: the loop form made ptxas spill two q fragments in the 2-bit mma loop).  D = 64:
+  // after them, as before -- issued first, the 2-bit kernels grew from 128 to 133 registers
+  // (4 -> 3 CTAs per SM).  (ptxas of nvcc 13.0, sm_90.)
+  constexpr bool kTilesFirst = D >= 128;
+  static_assert(TL::STAGES == 2 || TL::STAGES == 3, "the prologues issue STAGES - 1 tiles");
+  if constexpr (kTilesFirst) {
+    issue(0);
+    if (TL::STAGES > 2) issue(1);
+  }
+
+  // ---- q^T B-fragments of head i, normalised per head so fp16 cannot overflow ----
+  float qm = 0.f;
+  if (i < g) {
 #pragma unroll
-  for (int k = 0; k < TL::STAGES - 1; ++k) issue(k);
+    for (int pp = 0; pp < CM::KP; ++pp)
+#pragma unroll
+      for (int m = 0; m < 2; ++m) qm = fmaxf(qm, fabsf(to_float(q[i * D + c * (D / 4) + CM::channel(pp, m)])));
+  }
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 1));
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 2));
+  qm = qm > 0.f ? qm : 1.f;
+  const float rq = 1.f / qm;
+  // qb: the B fragments of q^T / max|q|; qf (per-channel keys, subnormal codes): the same
+  // divided by 2^off of each pair (exact powers of two), so that (code 2^(off-24)) . (qf s) =
+  // code q s 2^-24 whatever the pair's bit offset
+  uint32_t qb[NK][2], qf[NKF][2];
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // r = 0: pair 2kk (k rows 2c, 2c+1), r = 1: pair 2kk + 1 (rows 2c+8, 2c+9)
+      const int pp = 2 * kk + r;
+      const int cha = c * (D / 4) + CM::channel(pp, 0), chb = c * (D / 4) + CM::channel(pp, 1);
+      const float xa = i < g ? to_float(q[i * D + cha]) * rq : 0.f, xb = i < g ? to_float(q[i * D + chb]) * rq : 0.f;
+      qb[kk][r] = pack_half2(xa, xb);
+      if constexpr (SUBK) {
+        const float f = 1.f / (float)(1 << sub_off<BITS>(pp % PK::PO));
+        qf[kk][r] = pack_half2(xa * f, xb * f);
+      }
+    }
+  }
+  // this lane's softmax heads are 2c and 2c + 1: their score factors (log2 domain)
+  const float sl = p.scale * kLog2e;
+  const float sfA = __shfl_sync(0xffffffffu, qm, (2 * c) * 4) * sl;
+  const float sfB = __shfl_sync(0xffffffffu, qm, (2 * c + 1) * 4) * sl;
+  if constexpr (!kTilesFirst) {
+#pragma unroll
+    for (int k = 0; k < TL::STAGES - 1; ++k) issue(k);
+  }
 
   int64_t t0 = first - kStep;
   int stage = TL::STAGES - 1;
@@ -1259,12 +1273,22 @@ __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, in
                              });
 }
 
+/// \brief The split-K workspace of `rows` output rows (B * Hq) and `splits` splits:
+/// acc [rows, splits, D], then (m, l) [rows, splits] (B * Hq * splits * (D + 2) floats in all).
+/// The base is 16-byte aligned and D % 4 == 0, so every acc row can be read as float4.
+struct SplitWs {
+  float* acc;
+  float2* ml;
+  KVQ_HOST_DEVICE SplitWs(float* ws, int64_t rows, int64_t splits, int64_t D)
+      : acc(ws), ml(reinterpret_cast<float2*>(ws + rows * splits * D)) {}
+};
+
 /// \brief Merge the NW warp slots of a CTA (slot w at `slots + w * stride`, [g][D + 2] floats
-/// of (m, l, acc) each) and write the CTA's split partial: rows row0 .. row0 + g - 1 of the
-/// workspace [B * Hq, splits, D + 2].
+/// of (m, l, acc) each) and write the CTA's split partial: rows row0 .. row0 + g - 1, split
+/// `split` of the workspace.
 template <int D, int NW>
-__device__ __forceinline__ void write_split_partial(float* ws, const char* slots, size_t stride, int64_t row0,
-                                                    int g, int64_t splits, int split) {
+__device__ __forceinline__ void write_split_partial(const SplitWs& ws, const char* slots, size_t stride,
+                                                    int64_t row0, int g, int64_t splits, int split) {
   for (int x = threadIdx.x; x < g * (D + 2); x += blockDim.x) {
     const int j = x / (D + 2), col = x % (D + 2);
     auto wslot = [&](int w) { return reinterpret_cast<const float*>(slots + w * stride) + j * (D + 2); };
@@ -1283,8 +1307,130 @@ __device__ __forceinline__ void write_split_partial(float* ws, const char* slots
       }
     }
     const int64_t row = (row0 + j) * splits + split;
-    ws[row * (D + 2) + col] = out;
+    if (col < 2) reinterpret_cast<float*>(ws.ml + row)[col] = out;
+    else ws.acc[row * D + col - 2] = out;
   }
+}
+
+/// Shared-memory floats merge_split_rows needs for `nrows` rows of `splits` splits.
+KVQ_HOST_DEVICE int64_t merge_scratch_floats(int64_t nrows, int64_t splits) { return 2 * nrows * splits + nrows; }
+
+/// \brief Merge the split partials of output rows row0 .. row0 + nrows - 1 and write them:
+///   out = sum_s w_s acc_s / sum_s w_s l_s,  w_s = 2^(m_s - M),  M = max_s m_s
+/// (fp32; w_s l_s summed lane-strided + butterfly by one warp per row, w_s acc_s in split order
+/// per output: the result depends only on the partials, not on which kernel or block shape runs
+/// it, so the fused and the two-launch combine give identical bits).  Block-wide (blockDim.x a
+/// multiple of 32, every thread calls it); `scratch`: merge_scratch_floats(nrows, splits) floats
+/// of shared memory.  Partials are read with ld.global.cg (L2): the fused path reads what other
+/// CTAs of the same grid wrote, which L1 (not coherent) must not serve.
+template <typename DType, int D>
+__device__ __forceinline__ void merge_split_rows(const SplitWs& ws, DType* out, int64_t row0, int nrows, int splits,
+                                                 float* scratch) {
+  constexpr int DV = D / 4;  // float4 columns per row
+  constexpr int SB = 16;     // splits per batch of loads (16 float4 in flight per thread)
+  const int tid = threadIdx.x, nth = blockDim.x, lane = tid % 32, warp = tid / 32, nwarps = nth / 32;
+  const int nx = nrows * DV;
+  float* s_w = scratch;                 // [nrows][splits]: m, then the weights w
+  float* s_l = s_w + nrows * splits;    // [nrows][splits]: l
+  float* s_L = s_l + nrows * splits;    // [nrows]: sum_s w_s l_s
+  float4 v[SB];
+  auto load = [&](int x, int s0) {  // acc of column x, splits s0 .. s0 + SB - 1
+    const int j = x / DV;
+    const float4* src = reinterpret_cast<const float4*>(ws.acc + ((row0 + j) * splits + s0) * D) + (x - j * DV);
+#pragma unroll
+    for (int u = 0; u < SB; ++u) v[u] = s0 + u < splits ? __ldcg(src + u * DV) : make_float4(0.f, 0.f, 0.f, 0.f);
+  };
+  if (tid < nx) load(tid, 0);  // the first batch is in flight while the weights are computed
+  for (int j = warp; j < nrows; j += nwarps) {
+    const float2* ml = ws.ml + (row0 + j) * splits;
+    float M = -INFINITY;
+    for (int s = lane; s < splits; s += 32) {
+      const float2 e = __ldcg(ml + s);
+      s_w[j * splits + s] = e.x, s_l[j * splits + s] = e.y;
+      M = fmaxf(M, e.x);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    float L = 0.f;
+    for (int s = lane; s < splits; s += 32) {
+      const float w = M == -INFINITY ? 0.f : exp2f(s_w[j * splits + s] - M);
+      s_w[j * splits + s] = w;
+      L = fmaf(w, s_l[j * splits + s], L);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    if (lane == 0) s_L[j] = L;
+  }
+  __syncthreads();
+  for (int x = tid; x < nx; x += nth) {
+    const int j = x / DV;
+    const float* w = s_w + j * splits;
+    float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < splits; s0 += SB) {
+      if (s0 > 0) load(x, s0);
+#pragma unroll
+      for (int u = 0; u < SB; ++u) {
+        if (s0 + u < splits) {
+          const float wu = w[s0 + u];
+          a.x = fmaf(wu, v[u].x, a.x), a.y = fmaf(wu, v[u].y, a.y);
+          a.z = fmaf(wu, v[u].z, a.z), a.w = fmaf(wu, v[u].w, a.w);
+        }
+      }
+    }
+    if (x + nth < nx) load(x + nth, 0);
+    const float L = s_L[j];
+    DType* o = out + (row0 + j) * D + 4 * (x - j * DV);
+    o[0] = from_float<DType>(L > 0.f ? a.x / L : 0.f);
+    o[1] = from_float<DType>(L > 0.f ? a.y / L : 0.f);
+    o[2] = from_float<DType>(L > 0.f ? a.z / L : 0.f);
+    o[3] = from_float<DType>(L > 0.f ? a.w / L : 0.f);
+  }
+}
+
+/// blockIdx.x, and an int passed through an opaque move: values the fused-combine tail
+/// computes afresh from special registers and kernel parameters instead of letting the
+/// compiler keep them (or values derived from them, such as g) in registers from the kernel's
+/// start.  With g reused, the 2-bit D = 128 kernels reloaded 4 spilled values per tile in
+/// their mma loop (sm_90, nvcc 13.0); computed afresh, the loop is unchanged.
+__device__ __forceinline__ int ctaid_x_volatile() {
+  int x;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+  return x;
+}
+__device__ __forceinline__ int opaque_int(int v) {
+  asm volatile("mov.b32 %0, %0;" : "+r"(v));
+  return v;
+}
+
+/// \brief Fused combine, at the end of every split CTA once its partial is in the workspace
+/// (every thread calls it): the CTA takes the ticket of its (batch, KV head) row (blockIdx.x);
+/// the last of the `splits` CTAs to arrive merges all of them (merge_split_rows, splits in
+/// index order: the result does not depend on the arrival order) into out and resets the
+/// ticket to 0, so that the next launch -- or the next replay of a CUDA graph -- finds it
+/// zeroed.  Memory order: each CTA's partial writes -> bar.sync -> thread 0: fence (release) +
+/// atomicAdd; the last CTA: atomicAdd -> fence (acquire) -> bar.sync -> ld.global.cg of the
+/// partials.  Arguments are kernel parameters only (see ctaid_x_volatile), and the function is
+/// not inlined: its register allocation then leaves the split kernels' mma loops as they were
+/// (inlined, ptxas moved spills into the GEAR loop).  merge_scratch_floats(g, splits) floats at
+/// the start of the kernel's dynamic shared memory are reused.
+template <typename DType, int D>
+__device__ __noinline__ void split_finish_fused(float* ws, void* out, int* tickets, int64_t rows, int g, int splits) {
+  extern __shared__ __align__(16) char smem[];  // the kernel's dynamic shared memory
+  __syncthreads();  // the partial is written and the warp slots are read (smem is reused below)
+  const int bh = ctaid_x_volatile();  // split_grid
+  if (splits > 1) {
+    int last = 0;
+    if (threadIdx.x == 0) {
+      __threadfence();
+      last = atomicAdd(tickets + bh, 1) == splits - 1;
+      if (last) atomicExch(tickets + bh, 0);
+      __threadfence();
+    }
+    if (__syncthreads_or(last) == 0) return;
+  }
+  // output rows of the row's g query heads: b * Hq + h * g = (b * H + h) * g
+  merge_split_rows<DType, D>(SplitWs(ws, rows, splits, D), static_cast<DType*>(out), (int64_t)bh * g, g, splits,
+                             reinterpret_cast<float*>(smem));
 }
 
 // Programmatic dependent launch (sm_90): the combine kernel is launched while the split kernel
@@ -1363,8 +1509,8 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
     DecodeAttentionKernel(DecodeAttnParams p, SplitPlan plan) {
   pdl_allow_dependents();
   extern __shared__ __align__(16) char smem[];
-  const int split = blockIdx.x;
-  const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int split = blockIdx.y;  // split_grid
+  const int64_t bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int g = (int)(p.Hq / p.H);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
@@ -1409,52 +1555,66 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
     }
   }
   __syncthreads();
-  // ---- merge the warps and write the split partial ----
-  write_split_partial<D, kWarps>(p.ws, smem + qbytes, wbytes, b * p.Hq + h * g, g, plan.splits(), split);
+  // ---- merge the warps and write the split partial; fused combine: the last split of the row merges ----
+  const SplitWs ws(p.ws, p.B * p.Hq, plan.splits(), D);
+  write_split_partial<D, kWarps>(ws, smem + qbytes, wbytes, b * p.Hq + h * g, g, plan.splits(), split);
+  if (p.tickets != nullptr)
+    split_finish_fused<DType, D>(p.ws, p.out, p.tickets, p.B * p.Hq, opaque_int((int)p.Hq) / opaque_int((int)p.H),
+                                 plan.splits());
 }
 
-/// \brief Merge split partials: out = sum_s w_s acc_s / sum_s w_s l_s, w_s = 2^(m_s - M).
+/// \brief Two-launch combine: one CTA per output row merges its splits (merge_split_rows).
 template <typename DType, int D>
-__global__ void DecodeAttentionCombineKernel(DecodeAttnParams p, int splits) {
+__global__ void DecodeAttentionCombineKernel(float* ws, void* out, int64_t rows, int splits) {
   pdl_wait_prerequisites();
-  const int64_t row = blockIdx.x;  // b * Hq + hq
-  const float* ws = p.ws + row * splits * (D + 2);
-  float M = -INFINITY;
-  for (int s = 0; s < splits; ++s) M = fmaxf(M, ws[s * (D + 2)]);
-  float L = 0.f;
-  for (int s = 0; s < splits; ++s) {
-    const float w = M == -INFINITY ? 0.f : exp2f(ws[s * (D + 2)] - M);
-    L += w * ws[s * (D + 2) + 1];
-  }
-  DType* out = static_cast<DType*>(p.out) + row * D;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = 0.f;
-    for (int s = 0; s < splits; ++s) {
-      const float w = M == -INFINITY ? 0.f : exp2f(ws[s * (D + 2)] - M);
-      a += w * ws[s * (D + 2) + 2 + d];
-    }
-    out[d] = from_float<DType>(L > 0.f ? a / L : 0.f);
-  }
+  extern __shared__ __align__(16) char smem[];
+  merge_split_rows<DType, D>(SplitWs(ws, rows, splits, D), static_cast<DType*>(out), blockIdx.x, 1, splits,
+                             reinterpret_cast<float*>(smem));
 }
 
 /// \brief Launch the combine over `rows` = B * Hq output rows as a programmatic dependent of
 /// the split kernel just launched on `stream` (a plain launch where that is refused).
 template <typename DType, int D>
-cudaError_t LaunchDecodeAttentionCombine(const DecodeAttnParams& p, int64_t rows, int splits, cudaStream_t stream) {
+cudaError_t LaunchDecodeAttentionCombine(float* ws, void* out, int64_t rows, int splits, cudaStream_t stream) {
+  auto kernel = DecodeAttentionCombineKernel<DType, D>;
+  const size_t smem = sizeof(float) * (size_t)merge_scratch_floats(1, splits);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)rows);
-  cfg.blockDim = dim3(D < 128 ? D : 128);
-  cfg.dynamicSmemBytes = 0;
+  cfg.blockDim = dim3(D / 4 > 32 ? D / 4 : 32);  // one float4 column per thread
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, DecodeAttentionCombineKernel<DType, D>, p, splits) == cudaSuccess) return cudaSuccess;
+  if (cudaLaunchKernelEx(&cfg, kernel, ws, out, rows, splits) == cudaSuccess) return cudaSuccess;
   (void)cudaGetLastError();
-  DecodeAttentionCombineKernel<DType, D><<<cfg.gridDim, cfg.blockDim, 0, stream>>>(p, splits);
+  kernel<<<cfg.gridDim, cfg.blockDim, smem, stream>>>(ws, out, rows, splits);
   return cudaGetLastError();
+}
+
+/// \brief `n` zeroed split tickets for one fused-combine launch on `stream` (n = the grid's
+/// (batch, KV head) rows), or nullptr: then the caller takes the two-launch path.  nullptr
+/// when the fused combine is off (decode_attention_fused_combine), or when the per-device
+/// ticket buffer would have to grow while `stream` is being captured into a CUDA graph, or on
+/// an allocation error.  Defined in csrc/cuda/decode_attention_kernels.cu.
+int* decode_attention_tickets(int64_t n, cudaStream_t stream);
+/// \brief The fused-combine switch: mode 0 = two launches, 1 = fused, < 0 = leave it; returns
+/// the setting before the call.  Starts from the environment variable KVQ_DECODE_FUSED_COMBINE
+/// (read once; default 1 = fused).
+int decode_attention_fused_combine(int mode);
+
+/// \brief Tickets for a fused-combine launch of `bh_rows` (batch, KV head) rows with `g` query
+/// heads each and `splits` splits, whose kernel has `smem` bytes of dynamic shared memory for
+/// the merge scratch; nullptr: use the two-launch path.
+inline int* fused_combine_tickets(int64_t bh_rows, int g, int splits, size_t smem, cudaStream_t stream) {
+  if ((size_t)merge_scratch_floats(g, splits) * sizeof(float) > smem) return nullptr;
+  return decode_attention_tickets(bh_rows, stream);
 }
 
 inline bool aligned16(const void* ptr, int64_t sb, int64_t sh, int64_t elem) {
@@ -1491,6 +1651,17 @@ inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
           return false;
   }
   return true;
+}
+
+/// \brief Grid of the split kernels for `bh_rows` = B * H rows: (B * H, splits), so that the
+/// linear CTA index split * B * H + bh runs over split 0 of every row, then split 1, ...: the
+/// mma CTAs (splits < ns) of all rows come before the tail-only CTAs (splits >= ns).  The
+/// hardware hands out CTAs in linear order, one per SM before any SM gets a second, so the mma
+/// CTAs land on distinct SMs when there are no more of them than SMs (B = 1, L = 4k, H = 8: 128
+/// mma + 128 tail CTAs on 132 SMs; in the former (split, row) grid each row's 16 mma and 16
+/// tail CTAs were consecutive and about half of the SMs ran two mma CTAs).
+inline dim3 split_grid(const SplitPlan& plan, int64_t bh_rows) {
+  return dim3((unsigned)bh_rows, (unsigned)plan.splits());
 }
 
 /// \brief Split plan for T tokens of which [0, t_main) (a multiple of kTile) go through an
@@ -1570,11 +1741,13 @@ cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& pl
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  dim3 grid((unsigned)plan.splits(), (unsigned)(p.B * p.H));
-  kernel<<<grid, kWarps * 32, smem, stream>>>(p, plan);
+  if (reinterpret_cast<uintptr_t>(p.ws) % 16 != 0) return cudaErrorMisalignedAddress;
+  DecodeAttnParams pk = p;
+  pk.tickets = fused_combine_tickets(p.B * p.H, g, plan.splits(), smem, stream);
+  kernel<<<split_grid(plan, p.B * p.H), kWarps * 32, smem, stream>>>(pk, plan);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  return LaunchDecodeAttentionCombine<DType, D>(p, p.B * p.Hq, plan.splits(), stream);
+  if (e != cudaSuccess || pk.tickets != nullptr) return e;
+  return LaunchDecodeAttentionCombine<DType, D>(p.ws, p.out, p.B * p.Hq, plan.splits(), stream);
 }
 
 /// \brief Resident CTAs per SM of an instantiation (0 on error), for the split plan.

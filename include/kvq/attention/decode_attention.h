@@ -102,9 +102,14 @@ struct DecodeAttnParams {
   bool gear = false;
   GearKV gk, gv;
   int64_t gear_t0 = 0, gear_nb = 1;  // prefill-block tokens; tokens per decode block
-  // CUDA split-K workspace: partial (m, l) [B * Hq, splits, 2] and acc [B * Hq, splits, D]
+  // CUDA split-K workspace, B * Hq * splits * (D + 2) floats, 16-byte aligned (SplitWs in
+  // decode_attention.cuh): acc [B * Hq, splits, D], then (m, l) [B * Hq, splits, 2]
   float* ws = nullptr;
   int splits = 0;
+  // Set by the launcher, not the caller: B * H zeroed split tickets of the fused combine (the
+  // last CTA of a (batch, KV head) row merges the splits and resets its ticket), or nullptr
+  // for the two-launch path (split kernel + DecodeAttentionCombineKernel)
+  int* tickets = nullptr;
 };
 
 /// \brief Dequantized element (b, h, t, c) of a quantized store (t < Tq).

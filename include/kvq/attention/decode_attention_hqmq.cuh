@@ -2,8 +2,9 @@
 // decode_attention_hqmq.h).  Torch-free.  Same flash-decoding skeleton as the group-quantized
 // kernel (decode_attention.cuh, whose helpers this reuses): the token axis is split over CTAs
 // (SplitPlan / split_plan), each warp runs its own online softmax over 32-token tiles streamed
-// through a per-warp cp.async ring, the CTA merges its warps (write_split_partial) and
-// DecodeAttentionCombineKernel merges the splits from the workspace [B * Hq, splits, D + 2].
+// through a per-warp cp.async ring, the CTA merges its warps (write_split_partial), and the
+// splits are merged from the workspace (SplitWs) by the last CTA of each row (fused combine,
+// split_finish_fused) or by DecodeAttentionCombineKernel (two-launch path).
 //
 // Codebooks.  At kernel start the CTA builds, for its KV head h and each role, the 24 S
 // codewords P[p] . secondary[h, s] (same Hamilton product as the CPU twin, fp32, then rounded
@@ -456,10 +457,10 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
 template <typename DType, int D, int FMT>
 __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
     HqmqDecodeAttentionKernel(HqmqAttnParams p, SplitPlan plan, HqmqSmem sm) {
-  pdl_allow_dependents();  // the combine kernel may launch (it waits for this grid to finish)
+  pdl_allow_dependents();  // the combine kernel (two-launch path) may launch; it waits for this grid
   extern __shared__ __align__(16) char smem[];
-  const int split = blockIdx.x;
-  const int64_t bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int split = blockIdx.y;  // split_grid
+  const int64_t bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
   const int g = (int)(p.Hq / p.H);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   uint2* cbk = reinterpret_cast<uint2*>(smem);
@@ -518,7 +519,11 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
     }
   }
   __syncthreads();
-  write_split_partial<D, hqmq_warps(D)>(p.ws, regions, sm.region, b * p.Hq + h * g, g, plan.splits(), split);
+  const SplitWs ws(p.ws, p.B * p.Hq, plan.splits(), D);
+  write_split_partial<D, hqmq_warps(D)>(ws, regions, sm.region, b * p.Hq + h * g, g, plan.splits(), split);
+  if (p.tickets != nullptr)
+    split_finish_fused<DType, D>(p.ws, p.out, p.tickets, p.B * p.Hq, opaque_int((int)p.Hq) / opaque_int((int)p.H),
+                                 plan.splits());
 }
 
 }  // namespace attention

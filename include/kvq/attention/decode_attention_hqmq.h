@@ -45,7 +45,7 @@ struct HqmqKV {
 };
 
 /// \brief Decode attention call.  Workspace holds split partials (CUDA only), in the layout
-/// of DecodeAttnParams: [B * Hq, splits, D + 2] of (m, l, acc) in the log2 domain.
+/// of DecodeAttnParams (B * Hq * splits * (D + 2) floats: acc, then (m, l), log2 domain).
 struct HqmqAttnParams {
   const void* q = nullptr;        // [B, Hq, D] contiguous
   void* out = nullptr;            // [B, Hq, D]
@@ -56,6 +56,7 @@ struct HqmqAttnParams {
   float scale = 1.f;
   float* ws = nullptr;
   int splits = 0;
+  int* tickets = nullptr;  // set by the launcher (see DecodeAttnParams::tickets)
 };
 
 /// \brief Record range [*begin, *end) of (tile j, row n), clamped to [0, M].
