@@ -14,7 +14,7 @@
 //                               the time a copy-bound FP16 decode would take (no SDPA here)
 //   "fused kivi-N"              decode_attention_cuda; bytes = codes + scales + zeros +
 //                               residual of both roles (computed from the layout); the split
-//                               combine fused into the split kernel (the default)
+//                               combine fused into the split kernel (opt-in: KVQ_DECODE_FUSED_COMBINE=1)
 //   "fused kivi-N (2 launches)" the same with the split kernel + combine kernel (its output
 //                               must equal the fused one bit for bit)
 // Before timing, every fused launch runs once into a NaN-filled output, which is copied back

@@ -17,7 +17,7 @@ int decode_attention_fused_combine(int mode);
 // kvquant_ext._C._decode_fused_combine(mode=-1) -> int: the split combine of the CUDA
 // decode-attention kernels, 1 = fused into the split kernel, 0 = a second (combine) kernel,
 // -1 = unchanged; returns the previous mode (-1 on a build without CUDA).  The initial mode
-// comes from KVQ_DECODE_FUSED_COMBINE (default 1).  For tests and A/B benchmarks; launches
+// comes from KVQ_DECODE_FUSED_COMBINE (default 0: two launches).  For tests and A/B benchmarks; launches
 // captured in a CUDA graph keep the mode they were captured with.
 static PyObject* kvq_decode_fused_combine(PyObject*, PyObject* args) {
   int mode = -1;

@@ -92,7 +92,7 @@ int decode_attention_splits(const DecodeAttnParams& p, DTypeId dtype);
 cudaError_t decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief Split combine of the decode-attention kernels (group-quantized, GEAR, HQMQ): mode 1 =
 /// fused into the split kernel (the last CTA of each row merges), 0 = a second kernel, < 0 =
-/// unchanged; returns the previous mode.  Initial mode: KVQ_DECODE_FUSED_COMBINE (default 1).
+/// unchanged; returns the previous mode.  Initial mode: KVQ_DECODE_FUSED_COMBINE (default 0: two launches).
 int decode_attention_fused_combine(int mode);
 /// \brief Can the CUDA kernels run this GEAR layer (p.gear)?  (Its compressed tokens need the
 /// tensor-core path.)

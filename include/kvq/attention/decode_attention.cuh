@@ -1606,7 +1606,7 @@ cudaError_t LaunchDecodeAttentionCombine(float* ws, void* out, int64_t rows, int
 int* decode_attention_tickets(int64_t n, cudaStream_t stream);
 /// \brief The fused-combine switch: mode 0 = two launches, 1 = fused, < 0 = leave it; returns
 /// the setting before the call.  Starts from the environment variable KVQ_DECODE_FUSED_COMBINE
-/// (read once; default 1 = fused).
+/// (read once; default 0 = two launches, 1 = fused).
 int decode_attention_fused_combine(int mode);
 
 /// \brief Tickets for a fused-combine launch of `bh_rows` (batch, KV head) rows with `g` query
