@@ -318,8 +318,8 @@ int main(int argc, char** argv) {
         float* ws = dev_alloc<float>(B * kHq * p.splits * (kD + 2), "split workspace");
         p.ws = ws;
 
-        // both split combines in the same run: fused into the split kernel (mode 1, the default)
-        // and the two-launch path (split kernel + combine kernel, mode 0); they must agree bit
+        // both split combines in the same run: fused into the split kernel (mode 1, opt-in) and
+        // the two-launch path (split kernel + combine kernel, mode 0, the default); they must agree bit
         // for bit (same partials, same merge arithmetic)
         const int mode0 = attention::decode_attention_fused_combine(-1);
         std::vector<uint16_t> o_fused;

@@ -199,6 +199,8 @@ static attention::GearKV parse_gear_role(const char* role, const std::vector<at:
         const auto pk = oi.to(at::kLong).bitwise_and(0xFFFF);
         KVQ_CHECK_ARG(pk.bitwise_and(255).lt(D).all().item<bool>(), kGearOp, in.c_str(), "holds channels outside [0, ",
                       D, ")");
+        KVQ_CHECK_ARG(pk.bitwise_right_shift(8).lt(32).all().item<bool>(), kGearOp, in.c_str(),
+                      "holds tokens outside [0, 32) of their tile (index = token << 8 | channel)");
       }
       s.k = (int)(M / (2 * D));
       s.ibytes = 2;
@@ -211,6 +213,9 @@ static attention::GearKV parse_gear_role(const char* role, const std::vector<at:
       const int64_t twok = ov.size(3);
       KVQ_CHECK_ARG(twok % 2 == 0 && ov.size(2) == tseg && ov.stride(2) == twok, kGearOp, vn.c_str(),
                     "must be [B, H, T=", tseg, ", 2k] with contiguous vectors, got ", ov.sizes());
+      // the CUDA kernel keeps 2k in 8 bits of its per-segment flags
+      KVQ_CHECK_ARG(twok <= D && twok <= 254, kGearOp, vn.c_str(), "must have 2k <= min(D, 254) outliers per token, got ",
+                    twok);
       s.ibytes = index_bytes(oi, in);
       if (check_indices) {
         const auto mm = oi.to(at::kLong).aminmax();

@@ -166,7 +166,8 @@ at::Tensor decode_attention_gq_cpu(KVQ_DECODE_ATTN_GQ_ARGS);
 at::Tensor decode_attention_gq_cuda(KVQ_DECODE_ATTN_GQ_ARGS);
 #endif
 // GEAR layers: KIVI backbone (2 per-channel key / per-token value stores, one bit width) plus
-// per role the list [A0, B0, ov0, oi0, A1, B1, ov1, oi1] (decode_attention.h, GearSeg).
+// per role the list [A0, B0, ov0, oi0, off0, od0, A1, B1, ov1, oi1, off1, od1] (12 tensors;
+// decode_attention.h, GearSeg; docs/ops.md).
 #define KVQ_DECODE_ATTN_GEAR_ARGS                                                                \
   const at::Tensor &q, const at::Tensor &k_codes, const at::Tensor &k_scale,                     \
       const at::Tensor &k_zero, const at::Tensor &k_residual, const at::Tensor &v_codes,         \

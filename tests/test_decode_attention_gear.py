@@ -238,6 +238,19 @@ def test_bad_input(device):
         with pytest.raises(RuntimeError, match="outside"):
             call()
         vg[9].copy_(saved)
+        saved = kg[3].clone()
+        kg[3].bitwise_or_(40 << 8)  # key outlier tokens beyond their 32-token tile
+        with pytest.raises(RuntimeError, match="tokens outside"):
+            call()
+        kg[3].copy_(saved)
+    # more value outliers per token than the kernel's 8-bit count (and than D)
+    bad = list(vg)
+    T1 = vg[8].shape[2]
+    bad[8] = torch.zeros(1, 2, T1, 256, dtype=vg[8].dtype, device=device)
+    bad[9] = torch.zeros(1, 2, T1, 256, dtype=vg[9].dtype, device=device)
+    bad[11] = torch.zeros(1, 2, T1, 256, dtype=vg[11].dtype, device=device)
+    with pytest.raises(RuntimeError, match="2k <= min"):
+        call(vg_=bad)
 
 
 @requires_cuda
