@@ -125,7 +125,8 @@ struct Hq16 {
 inline bool hqmq_v2_ok(const HqmqAttnParams& p) {
   if (!(p.D == 64 || p.D == 128)) return false;
   for (const HqmqKV* s : {&p.k, &p.v})
-    if (s->field_bits != 16 || s->radius_bits != 4 || s->S < 1 || (int64_t)vq::kHurwitzUnits * s->S > 4096)
+    if (s->field_bits != 16 || s->radius_bits != 4 || s->words != p.D / 8 || s->S < 1 ||
+        (int64_t)vq::kHurwitzUnits * s->S > 4096)
       return false;
   return true;
 }
@@ -836,18 +837,24 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
   const bool do_mma = sm.mma && t_begin < t_end;
   constexpr bool kV2 = FMT == 3 && (D == 64 || D == 128);
   if (do_mma && kV2) {  // v2 codebooks (hqmq_warp_mma16): 4096 entries per role, K x 2^15, V x 16/15
-    for (int e = threadIdx.x; e < 2 * 4096; e += blockDim.x) {
-      const int role = e >> 12;
+    for (int role = 0; role < 2; ++role) {
       const HqmqKV& s = role ? p.v : p.k;
-      const int last = (int)(vq::kHurwitzUnits * s.S - 1);
-      const int x = (e & 4095) < last ? (e & 4095) : last;  // past 24 S: the clamped entry
-      const int si = x / vq::kHurwitzUnits, u = x % vq::kHurwitzUnits;
-      const float* sec = s.secondary + (h * s.S + si) * 4;
-      float p0, p1, p2, p3, q0, q1, q2, q3;
-      vq::hurwitz_unit(u, p0, p1, p2, p3);
-      vq::hamilton(p0, p1, p2, p3, sec[0], sec[1], sec[2], sec[3], q0, q1, q2, q3);
+      uint2* cb = reinterpret_cast<uint2*>(smem) + role * 4096;
       const float f = role ? 16.f / 15.f : 32768.f;
-      reinterpret_cast<uint2*>(smem)[e] = make_uint2(pack_half2(q0 * f, q1 * f), pack_half2(q2 * f, q3 * f));
+      const int ne = (int)(vq::kHurwitzUnits * s.S);  // <= 4096 (hqmq_v2_ok)
+      auto entry = [&](int x) {
+        const int si = x / vq::kHurwitzUnits, u = x % vq::kHurwitzUnits;
+        const float* sec = s.secondary + (h * s.S + si) * 4;
+        float p0, p1, p2, p3, q0, q1, q2, q3;
+        vq::hurwitz_unit(u, p0, p1, p2, p3);
+        vq::hamilton(p0, p1, p2, p3, sec[0], sec[1], sec[2], sec[3], q0, q1, q2, q3);
+        return make_uint2(pack_half2(q0 * f, q1 * f), pack_half2(q2 * f, q3 * f));
+      };
+      for (int e = threadIdx.x; e < ne; e += blockDim.x) cb[e] = entry(e);
+      if (ne < 4096) {  // indices past 24 S: the clamped entry 24 S - 1 (as v1's clamp)
+        const uint2 last = entry(ne - 1);
+        for (int e = ne + threadIdx.x; e < 4096; e += blockDim.x) cb[e] = last;
+      }
     }
   } else if (do_mma) {  // build this head's codebooks: entry s * 24 + u = P[u] . secondary[h, s], fp16x4
     for (int role = 0; role < 2; ++role) {
