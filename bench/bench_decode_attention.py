@@ -38,6 +38,8 @@ def main(argv=None):
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--max-kv-gb", type=float, default=40.0, help="skip shapes whose FP16 KV exceeds this")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
+    ap.add_argument("--hqmq-v1", action="store_true",
+                    help="also time hqmq-3.79 on the v1 kernel layout (A/B against the default v2)")
     args = ap.parse_args(argv)
     Hq, H, D = args.hq, args.h, args.d
     copy_bw = copy_bandwidth()
@@ -82,6 +84,17 @@ def main(argv=None):
                 rows.append([B, L, f"{name} {label}", f"{t['us']:.1f}", f"{eager:.1f}", f"{base / t['us']:.2f}",
                              f"{nbytes / 1e6:.0f}", f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
                 print(rows[-1], flush=True)
+                if name == "hqmq-3.79" and fused and args.hqmq_v1:
+                    from kvquant_ext import _C
+                    prev = _C._hqmq_decode_v2(0)
+                    try:
+                        t = bench_gpu_time(run, samples=50, graph=True)
+                    finally:
+                        _C._hqmq_decode_v2(prev)
+                    bw = nbytes / (t["us"] * 1e-6)
+                    rows.append([B, L, f"{name} fused (v1 layout)", f"{t['us']:.1f}", "", f"{base / t['us']:.2f}",
+                                 f"{nbytes / 1e6:.0f}", f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
+                    print(rows[-1], flush=True)
                 if name in ("kivi-2", "gear-2", "hqmq-3.79", "hqmq-5"):
                     def deq_sdpa():
                         K, V = cache.dequantize(0)

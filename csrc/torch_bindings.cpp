@@ -10,6 +10,8 @@ namespace kvq {
 namespace attention {
 // csrc/cuda/decode_attention_kernels.cu (declared in kvq/cuda_api.h)
 int decode_attention_fused_combine(int mode);
+// csrc/cuda/decode_attention_hqmq_kernels.cu
+int decode_attention_hqmq_v2(int mode);
 }  // namespace attention
 }  // namespace kvq
 #endif
@@ -30,7 +32,24 @@ static PyObject* kvq_decode_fused_combine(PyObject*, PyObject* args) {
 #endif
 }
 
+// kvquant_ext._C._hqmq_decode_v2(mode=-1) -> int: layout of the HQMQ decode-attention
+// tensor-core path for the F = 16 format (hqmq-3.79) at D = 64 / 128: 1 = v2 (default), 0 = v1,
+// -1 = unchanged; returns the previous mode (-1 without CUDA).  Initial mode: KVQ_HQMQ_DECODE_V1=1
+// selects v1.  For tests and A/B benchmarks.
+static PyObject* kvq_hqmq_decode_v2(PyObject*, PyObject* args) {
+  int mode = -1;
+  if (!PyArg_ParseTuple(args, "|i", &mode)) return nullptr;
+#ifdef KVQ_WITH_CUDA
+  return PyLong_FromLong(kvq::attention::decode_attention_hqmq_v2(mode));
+#else
+  (void)mode;
+  return PyLong_FromLong(-1);
+#endif
+}
+
 static PyMethodDef kMethods[] = {
+    {"_hqmq_decode_v2", kvq_hqmq_decode_v2, METH_VARARGS,
+     "HQMQ decode-attention layout for hqmq-3.79 at D = 64/128: 1 v2, 0 v1, -1 query; returns the previous mode."},
     {"_decode_fused_combine", kvq_decode_fused_combine, METH_VARARGS,
      "Decode-attention split combine: 1 fused, 0 two launches, -1 query; returns the previous mode."},
     {nullptr, nullptr, 0, nullptr}};

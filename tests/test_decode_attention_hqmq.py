@@ -272,3 +272,95 @@ def test_cuda_generic_paths_match_cpu(preset):
     out = kvq.ops.decode_attention_hqmq(q, *kops, *vops, None, rb, rb, D ** -0.5)
     ref = _cpu_op(q, kops, vops, rb)
     assert ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item() < 4e-3
+
+
+# ---- v2 layout of the F = 16 (hqmq-3.79) tensor-core path at D = 64 / 128 (hqmq_warp_mma16) ----
+def _hqmq_v2(mode=-1):
+    """The layout switch: 1 = v2 (default), 0 = v1, -1 leave; returns the previous mode."""
+    from kvquant_ext import _C
+    return _C._hqmq_decode_v2(mode)
+
+
+@pytest.fixture
+def restore_hqmq_v2():
+    prev = _hqmq_v2()
+    yield
+    _hqmq_v2(prev)
+
+
+F16_MED3 = kvq.HQMQConfig(secondary_size=96, radius_bits=4, outlier_factor=3.0)  # F = 16 with records
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", ["hqmq-3.79", "f16-med3"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("g", [1, 3, 8])
+def test_cuda_hqmq_v2_matches_cpu_and_v1(restore_hqmq_v2, preset, D, g):
+    """v2 against the CPU op on the same stored data and against the v1 kernel (both tensor-core
+    paths, same split plan up to shared memory), with key and value records (f16-med3) and a
+    mask that removes whole tiles and parts of tiles."""
+    assert _hqmq_v2() == 1, "v2 is the default"
+    cfg = F16_MED3 if preset == "f16-med3" else preset
+    B, H, T = 2, 2, 2053
+    cache = kvq.KVCache(cfg)
+    cache.update(make_data(B, H, T, D, torch.float16, "cuda"), make_data(B, H, T, D, torch.float16, "cuda"), 0)
+    kops = list(cache.layers[0].key.attention_operands())
+    vops = list(cache.layers[0].value.attention_operands())
+    if preset == "f16-med3":
+        assert kops[3].shape[0] > 0 and vops[3].shape[0] > 0
+    q = torch.randn(B, H * g, D, dtype=torch.float16, device="cuda")
+    q[..., 8:12] *= 4.0  # weight the chunk that carries most records
+    mask = torch.ones(B, T, dtype=torch.bool, device="cuda")
+    mask[1, :700] = False
+    mask[0, 100:117] = False
+    for m in (None, mask):
+        out2 = kvq.ops.decode_attention_hqmq(q, *kops, *vops, m, 4, 4, D ** -0.5)
+        _hqmq_v2(0)
+        out1 = kvq.ops.decode_attention_hqmq(q, *kops, *vops, m, 4, 4, D ** -0.5)
+        _hqmq_v2(1)
+        ref = _cpu_op(q, kops, vops, 4, m).float()
+        rel = lambda a, r: ((a.cpu().float() - r).norm() / r.norm()).item()  # noqa: E731
+        assert torch.isfinite(out2).all()
+        assert rel(out2, ref) < 4e-3, f"v2 vs CPU {rel(out2, ref):.2e}"
+        assert rel(out1, ref) < 4e-3, f"v1 vs CPU {rel(out1, ref):.2e}"
+        assert rel(out2, out1.float().cpu()) < 3e-3, f"v2 vs v1 {rel(out2, out1.float().cpu()):.2e}"
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [64, 128])
+def test_cuda_hqmq_v2_dtypes_and_small_scales(restore_hqmq_v2, D):
+    """bf16 / fp32 queries; values of very different magnitudes per token (tiny radius scales:
+    the v2 value path multiplies rcode / 16 by the fp16 scale) and large ones (no overflow)."""
+    B, H, T = 1, 2, 1024
+    k = make_data(B, H, T, D, torch.float32, "cuda", spikes=False)
+    v = make_data(B, H, T, D, torch.float32, "cuda", spikes=False)
+    v[:, :, ::3] *= 1e-3
+    v[:, :, 1::7] *= 3e3
+    k[:, :, ::5] *= 1e-3
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        cache = kvq.KVCache("hqmq-3.79")
+        cache.update(k.to(dtype), v.to(dtype), 0)
+        kops = list(cache.layers[0].key.attention_operands())
+        vops = list(cache.layers[0].value.attention_operands())
+        q = torch.randn(B, 4 * H, D, dtype=dtype, device="cuda")
+        out = kvq.ops.decode_attention_hqmq(q, *kops, *vops, None, 4, 4, D ** -0.5)
+        ref = _cpu_op(q, kops, vops, 4).float()
+        err = ((out.cpu().float() - ref).norm() / ref.norm()).item()
+        assert torch.isfinite(out).all() and err < 4e-3, f"{dtype}: {err:.2e}"
+
+
+@requires_cuda
+def test_cuda_hqmq_v2_graph_replay(restore_hqmq_v2):
+    """The v2 kernel under CUDA-graph capture (same bits on replay as eagerly)."""
+    cache = build("hqmq-3.79", 2, 2, 1500, 128, torch.float16, "cuda", steps=3)
+    q = torch.randn(2, 16, 128, dtype=torch.float16, device="cuda")
+    eager = fused(q, cache)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fused(q, cache)  # warm-up outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            out = fused(q, cache)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

@@ -5,24 +5,62 @@
 #include "kvq/cuda_api.h"
 #include "kvq/quant/group_quant.cuh"
 
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
 namespace kvq {
 namespace attention {
 
 // EXPR(D, FMT) for head dim p.D and field format fmt (HqmqFmt: 1 = hqmq-3.79, 2 = hqmq-5,
-// 0 = runtime field widths).
+// 0 = runtime field widths, 3 = hqmq-3.79 on the v2 layout, D = 64 / 128 only).
 #define KVQ_HQMQ_FMT(EXPR, D)                     \
   switch (fmt) {                                  \
     case 1: return EXPR(D, 1);                    \
     case 2: return EXPR(D, 2);                    \
     default: return EXPR(D, 0);                   \
   }
+#define KVQ_HQMQ_FMT_V2(EXPR, D)                  \
+  switch (fmt) {                                  \
+    case 1: return EXPR(D, 1);                    \
+    case 2: return EXPR(D, 2);                    \
+    case 3: return EXPR(D, 3);                    \
+    default: return EXPR(D, 0);                   \
+  }
 #define KVQ_HQMQ_DISPATCH(EXPR)                   \
   switch (p.D) {                                  \
     case 32: KVQ_HQMQ_FMT(EXPR, 32)               \
-    case 64: KVQ_HQMQ_FMT(EXPR, 64)               \
-    case 128: KVQ_HQMQ_FMT(EXPR, 128)             \
+    case 64: KVQ_HQMQ_FMT_V2(EXPR, 64)            \
+    case 128: KVQ_HQMQ_FMT_V2(EXPR, 128)          \
     default: KVQ_HQMQ_FMT(EXPR, 256)              \
   }
+
+namespace {
+/// v2 layout switch for the F = 16 format (hqmq_warp_mma16): 1 = on (default), 0 = the v1
+/// kernel (FMT 1).  Initial value: KVQ_HQMQ_DECODE_V1=1 turns it off.
+std::atomic<int> g_hqmq_v2{-1};
+int hqmq_v2_mode() {
+  int m = g_hqmq_v2.load();
+  if (m >= 0) return m;
+  const char* e = std::getenv("KVQ_HQMQ_DECODE_V1");
+  const bool v1 = e != nullptr && (!std::strcmp(e, "1") || !std::strcmp(e, "true") || !std::strcmp(e, "on"));
+  int expected = -1;
+  g_hqmq_v2.compare_exchange_strong(expected, v1 ? 0 : 1);
+  return g_hqmq_v2.load();
+}
+/// Field format of the launch: hqmq_fmt, with F = 16 / b_r = 4 at D = 64 / 128 moved to the v2
+/// layout (3) when the switch is on.
+int hqmq_launch_fmt(const HqmqAttnParams& p) {
+  const int fmt = hqmq_fmt(p);
+  return fmt == 1 && hqmq_v2_ok(p) && hqmq_v2_mode() == 1 ? 3 : fmt;
+}
+}  // namespace
+
+int decode_attention_hqmq_v2(int mode) {
+  const int prev = hqmq_v2_mode();
+  if (mode >= 0) g_hqmq_v2.store(mode ? 1 : 0);
+  return prev;
+}
 
 /// Resident CTAs per SM of one instantiation at `smem` bytes (0 on error); cached per size.
 template <typename DType, int D, int FMT>
@@ -38,8 +76,7 @@ static int hqmq_occupancy(size_t smem) {
   return n;
 }
 
-static SplitPlan hqmq_plan(const HqmqAttnParams& p, const HqmqSmem& sm, DTypeId dtype) {
-  const int fmt = hqmq_fmt(p);
+static SplitPlan hqmq_plan(const HqmqAttnParams& p, const HqmqSmem& sm, DTypeId dtype, int fmt) {
 #define KVQ_OCC(D, FMT) hqmq_occupancy<DType, D, FMT>(sm.total)
   const int occ = KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> int { KVQ_HQMQ_DISPATCH(KVQ_OCC) });
 #undef KVQ_OCC
@@ -48,7 +85,8 @@ static SplitPlan hqmq_plan(const HqmqAttnParams& p, const HqmqSmem& sm, DTypeId 
 }
 
 int decode_attention_hqmq_splits(const HqmqAttnParams& p, DTypeId dtype) {
-  return hqmq_plan(p, hqmq_smem_plan(p), dtype).splits();
+  const int fmt = hqmq_launch_fmt(p);
+  return hqmq_plan(p, hqmq_smem_plan(p, fmt), dtype, fmt).splits();
 }
 
 template <typename DType, int D, int FMT>
@@ -68,10 +106,10 @@ static cudaError_t launch_hqmq(const HqmqAttnParams& p, const SplitPlan& plan, c
 
 cudaError_t decode_attention_hqmq_cuda(const HqmqAttnParams& p, DTypeId dtype, cudaStream_t stream) {
   if (!(p.D == 32 || p.D == 64 || p.D == 128 || p.D == 256)) return cudaErrorInvalidValue;
-  const HqmqSmem sm = hqmq_smem_plan(p);
-  const SplitPlan plan = hqmq_plan(p, sm, dtype);
+  const int fmt = hqmq_launch_fmt(p);
+  const HqmqSmem sm = hqmq_smem_plan(p, fmt);
+  const SplitPlan plan = hqmq_plan(p, sm, dtype, fmt);
   if (plan.splits() != p.splits) return cudaErrorInvalidValue;
-  const int fmt = hqmq_fmt(p);
 #define KVQ_LAUNCH(D, FMT) launch_hqmq<DType, D, FMT>(p, plan, sm, stream)
   return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t { KVQ_HQMQ_DISPATCH(KVQ_LAUNCH) });
 #undef KVQ_LAUNCH

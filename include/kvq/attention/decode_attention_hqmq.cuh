@@ -35,6 +35,8 @@
 //   lane walks the tile's records (broadcast loads); the lanes owning chunk c's channels add
 //   p[t][j] v into their accumulators.  Both steps are skipped (warp-uniform branch) for tiles
 //   without records, i.e. always at hqmq-3.79.
+// F = 16 (hqmq-3.79) at D = 64 / 128 runs a second layout of this path, hqmq_warp_mma16 (FMT 3,
+// comment block above it): whole chunks per lane, 4096-entry codebooks, no exchange.
 // CTA: hqmq_warps(D) warps (12 at D <= 128, 4 at D = 256) sharing the codebooks.  The fragment
 // algorithm is emulated lane by lane on the CPU in tests/test_decode_attention_hqmq_emulation.py
 // (keep it in sync when changing the layouts below).
@@ -97,7 +99,39 @@ inline bool hqmq_mma_layout_ok(const HqmqAttnParams& p) {
   return p.T >= kTile;
 }
 
-inline HqmqSmem hqmq_smem_plan(const HqmqAttnParams& p) {
+/// \brief Compile-time layout of the v2 path (FMT 3: F = 16, b_r = 4, 24 S <= 4096) at head dim D.
+/// Ring stage: K codes (32 rows of 4 W bytes), V codes (rows padded by 16 bytes so that the lanes
+/// reading tokens 2c of one chunk block hit distinct banks), K scales, V scales (contiguous: one
+/// 16-byte copy per lane 0..7).  Codebooks: 2^12 entries per role (all 12-bit direction indices;
+/// entries past 24 S repeat entry 24 S - 1, the clamp of the v1 path), K at byte 0, V at CB.
+template <int D>
+struct Hq16 {
+  static_assert(D == 64 || D == 128, "the v2 HQMQ layout is for D = 64 and 128");
+  static constexpr int W = D / 8;             // words per token row (32 chunks of 16 bits at D = 128)
+  static constexpr int KROW = 4 * W;          // bytes per K row in the ring
+  static constexpr int VROW = 4 * W + 16;     // bytes per V row (padded)
+  static constexpr int CPR = KROW / 16;       // 16-byte copies per row (2 or 4)
+  static constexpr int KC = 0, VC = kTile * KROW, KS = VC + kTile * VROW, VS = KS + 2 * kTile;
+  static constexpr int STAGE = (VS + 2 * kTile + 15) / 16 * 16;
+  static constexpr int NCB = 4096;            // direction indices of 12 bits
+  static constexpr int CB = NCB * 8;          // bytes of one role's codebook (fp16x4 entries)
+  static constexpr int NK = D / 16;           // k-steps of QK = K chunks per lane and token
+  static constexpr int KW = NK / 2;           // K words per lane and token (2 or 4)
+  static constexpr int VP = D / 32;           // m-tile pairs of PV = V chunks per lane and token
+  static constexpr int VW = VP / 2;           // V words per lane and token (1 or 2)
+};
+
+/// Is the v2 path (FMT 3) possible for p?  (F = 16, b_r = 4 for both roles, D in {64, 128}.)
+inline bool hqmq_v2_ok(const HqmqAttnParams& p) {
+  if (!(p.D == 64 || p.D == 128)) return false;
+  for (const HqmqKV* s : {&p.k, &p.v})
+    if (s->field_bits != 16 || s->radius_bits != 4 || s->words != p.D / 8 || s->S < 1 ||
+        (int64_t)vq::kHurwitzUnits * s->S > 4096)
+      return false;
+  return true;
+}
+
+inline HqmqSmem hqmq_smem_plan(const HqmqAttnParams& p, int fmt = 0) {
   HqmqSmem m;
   const int g = (int)(p.Hq / p.H);
   m.q = (sizeof(float) * (size_t)g * p.D + 15) / 16 * 16;
@@ -106,7 +140,16 @@ inline HqmqSmem hqmq_smem_plan(const HqmqAttnParams& p) {
   m.region = slot16;
   const int nw = hqmq_warps(p.D);
   m.total = m.q + nw * m.region;
-  if (hqmq_mma_layout_ok(p)) {
+  if (fmt == 3 && hqmq_mma_layout_ok(p) && hqmq_v2_ok(p)) {
+    const size_t stage = p.D == 64 ? Hq16<64>::STAGE : Hq16<128>::STAGE;
+    const size_t ring = (size_t)kHqmqStages * stage;
+    const size_t region = (ring > slot16 ? ring : slot16) + sizeof(float) * kTile * 8;
+    const size_t cb = (size_t)Hq16<128>::CB;
+    const size_t total = 2 * cb + m.q + nw * region;
+    if (total <= (size_t)kHqmqSmemLimit) {
+      m.mma = true, m.cb_k = cb, m.cb_v = cb, m.region = region, m.total = total;
+    }
+  } else if (hqmq_mma_layout_ok(p)) {
     const HqmqTileLayout tl = HqmqTileLayout::make(p.k.words, p.v.words);
     const size_t ring = (size_t)kHqmqStages * tl.bytes;
     const size_t region = (ring > slot16 ? ring : slot16) + sizeof(float) * kTile * 8;  // + [32][8] buffer
@@ -140,11 +183,12 @@ __device__ __forceinline__ uint32_t smem_field(const uint32_t* row, int chunk, i
 }
 
 /// Field formats the mma path is compiled for: 0 = any (runtime widths), 1 = hqmq-3.79 for
-/// keys and values (S = 96, b_r = 4: F = 16), 2 = hqmq-5 (S = 192, b_r = 6: F = 19).
+/// keys and values (S = 96, b_r = 4: F = 16), 2 = hqmq-5 (S = 192, b_r = 6: F = 19), 3 = the
+/// F = 16 format on the v2 layout (hqmq_warp_mma16 below; D = 64 and 128 only).
 template <int FMT>
 struct HqmqFmt {
-  static constexpr int F = FMT == 1 ? 16 : FMT == 2 ? 19 : 0;
-  static constexpr int RB = FMT == 1 ? 4 : FMT == 2 ? 6 : 0;
+  static constexpr int F = FMT == 1 || FMT == 3 ? 16 : FMT == 2 ? 19 : 0;
+  static constexpr int RB = FMT == 1 || FMT == 3 ? 4 : FMT == 2 ? 6 : 0;
 };
 inline int hqmq_fmt(const HqmqAttnParams& p) {
   auto is = [&](int F, int RB) {
@@ -454,6 +498,321 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
   __syncwarp();
 }
 
+// ---------------------------------------------------------------------------
+// v2 tensor-core path for the F = 16 format (hqmq-3.79: b_r = 4, 12-bit directions), D = 64
+// and 128 (FMT 3).  Differences from hqmq_warp_mma (same skeleton, softmax and records):
+//  - chunk <-> fragment maps chosen so that a lane's chunks of a token are consecutive words:
+//    QK k-step kk, lane quad c: chunk NK c + kk (K words of a token row: one LDS.128 at D = 128);
+//    PV m-tile pair m (m-tiles 2m, 2m + 1), lane row group i: chunk VP i + m, its elements 0, 1
+//    in rows i, i + 8 of m-tile 2m and 2, 3 in rows i, i + 8 of m-tile 2m + 1, so each lane
+//    decodes all 4 elements of its chunk for its 4 tokens 2c, 2c+1, 2c+8, 2c+9 (no exchange
+//    between lanes; every (token, chunk) is still decoded once per warp).
+//  - codeword address = (w >> 1) & 0x7ff8 (low field of word w) or (w >> 17) & 0x7ff8 (high
+//    field): no clamp (the padded codebook holds every 12-bit index) and no base add (K
+//    codebook at shared offset 0, V at a compile-time offset).
+//  - K: element = fp16(cw 2^15) x (rcode 2^-24) with the rcodes of a word masked in place as
+//    fp16 subnormals (one LOP3 per word, HMUL2 with a .H0_H0 / .H1_H1 operand): the product
+//    cw rcode 2^-9 is exact up to one fp16 rounding (absolute 2^-25 where subnormal, i.e.
+//    2^-16 in units of cw rcode); 2^9 / (2^b_r - 1) goes into the fp32 score factor.
+//  - V: element = fp16(cw 16/15) x fp16(rcode/16 x scale) (rcode/16 exact by the magic-number
+//    HFMA2, x scale one HMUL2 per word and token, the fp16 scale pair loaded with one LDS.32):
+//    the same three fp16 roundings as v1, no fp32 conversions per chunk, no overflow
+//    (rcode/16 x scale <= 15/16 x 65504).
+//  - tile copies with compile-time sizes and running source pointers (no 64-bit multiplies,
+//    no predicates except the scales).
+// ---------------------------------------------------------------------------
+/// a * (b.lo, b.lo) and a * (b.hi, b.hi) (fp16x2; ptxas folds the duplication into HMUL2's
+/// operand swizzle).
+__device__ __forceinline__ uint32_t hmul2_lo_u32(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("{.reg .b16 l, h; .reg .b32 x; mov.b32 {l, h}, %2; mov.b32 x, {l, l}; mul.rn.f16x2 %0, %1, x;}"
+      : "=r"(d)
+      : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t hmul2_hi_u32(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("{.reg .b16 l, h; .reg .b32 x; mov.b32 {l, h}, %2; mov.b32 x, {h, h}; mul.rn.f16x2 %0, %1, x;}"
+      : "=r"(d)
+      : "r"(a), "r"(b));
+  return d;
+}
+/// Byte offset of the codeword of the low (HI = false) or high field of word w (F = 16, b_r = 4).
+template <bool HI>
+__device__ __forceinline__ uint32_t cw16_off(uint32_t w) {
+  return HI ? (w >> 17) & 0x7ff8u : (w >> 1) & 0x7ff8u;
+}
+__device__ __forceinline__ uint2 lds_u2(const char* base, uint32_t off) {
+  return *reinterpret_cast<const uint2*>(base + off);
+}
+/// N consecutive words of shared memory (one 16- or 8-byte load, or a word).
+template <int N>
+__device__ __forceinline__ void lds_n(const char* src, uint32_t (&w)[N]) {
+  if constexpr (N == 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (N == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(src);
+  }
+}
+
+template <typename DType, int D>
+__device__ void hqmq_warp_mma16(const HqmqAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin, int64_t t_end,
+                                int warp, float* slot, char* ring, float* buf, const char* cb, const float* s_q) {
+  using L = Hq16<D>;
+  constexpr int NK = L::NK, MV = D / 16, VP = L::VP, C = D / 4;
+  constexpr int NW = hqmq_warps(D);
+  const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
+  const int64_t BH = p.B * p.H, n = b * p.H + h;
+  const float kf = 512.f / 15.f;  // K: 2^9 / (2^b_r - 1)
+
+  // ---- q^T B-fragments of head i (chunk NK c + kk), normalised per head ----
+  float qm = 0.f;
+  if (i < g) {
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) qm = fmaxf(qm, fabsf(s_q[i * D + 4 * (NK * c + kk) + e]));
+  }
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 1));
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 2));
+  qm = qm > 0.f ? qm : 1.f;
+  const float rq = 1.f / qm;
+  uint32_t qb[NK][2];
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk) {
+    const float* qc = s_q + i * D + 4 * (NK * c + kk);
+    qb[kk][0] = i < g ? pack_half2(qc[0] * rq, qc[1] * rq) : 0u;
+    qb[kk][1] = i < g ? pack_half2(qc[2] * rq, qc[3] * rq) : 0u;
+  }
+  const float qmA = __shfl_sync(0xffffffffu, qm, (2 * c) * 4) * kf;
+  const float qmB = __shfl_sync(0xffffffffu, qm, (2 * c + 1) * 4) * kf;
+  const float sl = p.scale * kLog2e;
+
+  float acc[MV][4];
+#pragma unroll
+  for (int mv = 0; mv < MV; ++mv)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[mv][e] = 0.f;
+  float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
+
+  const int64_t first = t_begin + warp * kTile;
+  const int ntiles = first < t_end ? (int)((t_end - first + NW * kTile - 1) / (NW * kTile)) : 0;
+  // running source pointers of the next tile to issue (this lane's first 16-byte piece)
+  const char* kc_src = reinterpret_cast<const char*>(p.k.codes + b * p.k.codes_sb + h * p.k.codes_sh + first * L::W) +
+                       16 * lane;
+  const char* vc_src = reinterpret_cast<const char*>(p.v.codes + b * p.v.codes_sb + h * p.v.codes_sh + first * L::W) +
+                       16 * lane;
+  const char* sc_src = lane < 4 ? reinterpret_cast<const char*>(p.k.scale + b * p.k.scale_sb + h * p.k.scale_sh + first) +
+                                      16 * lane
+                                : reinterpret_cast<const char*>(p.v.scale + b * p.v.scale_sb + h * p.v.scale_sh + first) +
+                                      16 * (lane & 3);
+  constexpr int64_t CODE_STEP = (int64_t)NW * kTile * L::W * 4, SCALE_STEP = (int64_t)NW * kTile * 2;
+  const int vdst = (lane / L::CPR) * L::VROW + (lane % L::CPR) * 16;  // this lane's V piece in a stage
+  auto issue = [&](int k) {
+    if (k < ntiles) {
+      char* st = ring + (k & 1) * L::STAGE;
+#pragma unroll
+      for (int j = 0; j < L::CPR; ++j) {  // 32 rows x KROW bytes = 32 CPR pieces of 16 bytes
+        cp_async16(st + L::KC + 16 * lane + 512 * j, kc_src + 512 * j);
+        cp_async16(st + L::VC + vdst + (32 / L::CPR) * L::VROW * j, vc_src + 512 * j);
+      }
+      if (lane < 8) cp_async16(st + L::KS + 16 * lane, sc_src);
+      kc_src += CODE_STEP, vc_src += CODE_STEP, sc_src += SCALE_STEP;
+    }
+    cp_async_commit();
+  };
+  static_assert(kHqmqStages == 2, "stage = k & 1");
+  issue(0);
+
+  for (int k = 0; k < ntiles; ++k) {
+    issue(k + 1);
+    cp_async_wait<1>();
+    __syncwarp();
+    const int64_t t0 = first + (int64_t)k * NW * kTile;
+    const char* st = ring + (k & 1) * L::STAGE;
+    const uint16_t* s_ks = reinterpret_cast<const uint16_t*>(st + L::KS);
+
+    // ---------------- S^T = K q^T: 2 m-tiles of 16 tokens ----------------
+    uint32_t kw[4][L::KW];  // token rows i, i + 8, 16 + i, 24 + i: chunks NK c .. NK c + NK - 1
+#pragma unroll
+    for (int u = 0; u < 4; ++u) lds_n<L::KW>(st + L::KC + (8 * u + i) * L::KROW + 4 * L::KW * c, kw[u]);
+    float sc[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[mt][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk) {
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt) {
+        uint32_t a[4];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const uint32_t w = kw[2 * mt + hh][kk >> 1];
+          const uint32_t rr = w & 0x000f000fu;  // both rcodes as fp16 subnormals rcode 2^-24
+          const bool hi = kk & 1;
+          const uint2 cw = lds_u2(cb, hi ? cw16_off<true>(w) : cw16_off<false>(w));
+          a[hh] = hi ? hmul2_hi_u32(cw.x, rr) : hmul2_lo_u32(cw.x, rr);      // rows i / i + 8: elements 0, 1
+          a[2 + hh] = hi ? hmul2_hi_u32(cw.y, rr) : hmul2_lo_u32(cw.y, rr);  // elements 2, 3
+        }
+        mma16816(sc[mt], a, qb[kk][0], qb[kk][1]);
+      }
+    }
+    // true score / sl = qm_j * scale_t / 15 * 2^9 * sc (+ records); tokens 16 mt + i + 8 (e >> 1)
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const float stp = half_bits_to_float(s_ks[16 * mt + i + 8 * hh]);
+        sc[mt][2 * hh] *= stp * qmA;
+        sc[mt][2 * hh + 1] *= stp * qmB;
+      }
+    int64_t ra = 0, re = 0;  // (the index arithmetic only where the role has records at all)
+    if (p.k.num_outliers > 0) hqmq_record_range(p.k, BH, t0 / kHqmqTile, n, &ra, &re);
+    if (ra < re) {  // warp-uniform: Med3x key records of this tile (as hqmq_warp_mma)
+      for (int x = lane; x < kTile * 8; x += 32) buf[x] = 0.f;
+      __syncwarp();
+      for (int64_t r = ra + lane; r < re; r += 32) {
+        const int4 rec = __ldg(reinterpret_cast<const int4*>(p.k.outliers) + r);
+        const int cc = rec.y & 0xff;
+        const int64_t tl = (int64_t)rec.x - t0;
+        if (tl < 0 || tl >= kTile || (int64_t)((uint32_t)rec.y >> 8) != n || cc >= C) continue;
+        const float v0 = half_bits_to_float((uint16_t)((uint32_t)rec.z & 0xffffu));
+        const float v1 = half_bits_to_float((uint16_t)((uint32_t)rec.z >> 16));
+        const float v2 = half_bits_to_float((uint16_t)((uint32_t)rec.w & 0xffffu));
+        const float v3 = half_bits_to_float((uint16_t)((uint32_t)rec.w >> 16));
+        for (int j = 0; j < g; ++j) {
+          const float* qc = s_q + j * D + 4 * cc;
+          atomicAdd(&buf[tl * 8 + j], qc[0] * v0 + qc[1] * v1 + qc[2] * v2 + qc[3] * v3);
+        }
+      }
+      __syncwarp();
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[mt][e] += buf[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)];
+      __syncwarp();  // buf is reused for the value records below
+    }
+    // ---------------- online softmax: heads 2c (e even) and 2c + 1 (e odd) ----------------
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[mt][e] *= sl;
+    float alA, alB;
+    tile_online_softmax(sc, p.mask != nullptr ? p.mask + b * p.mask_sb + t0 : nullptr, i, mA, mB, lA, lB, alA, alB);
+    if (__any_sync(0xffffffffu, alA != 1.f || alB != 1.f)) {  // a running max moved
+#pragma unroll
+      for (int mv = 0; mv < MV; ++mv) acc[mv][0] *= alA, acc[mv][1] *= alB, acc[mv][2] *= alA, acc[mv][3] *= alB;
+    }
+    uint32_t pt[2][2];
+    tile_pt_fragments(sc, pt);
+
+    // ---------------- O^T += V^T P^T over 2 k-steps of 16 tokens ----------------
+    // Lane (i, c): tokens 16 kst + 2c + {0, 1, 8, 9} (u = 0..3), chunks VP i + m (m < VP).
+#pragma unroll
+    for (int kst = 0; kst < 2; ++kst) {
+      const char* vrow = st + L::VC + (16 * kst + 2 * c) * L::VROW + 4 * L::VW * i;
+      uint32_t vw[4][L::VW];
+      lds_n<L::VW>(vrow, vw[0]);
+      lds_n<L::VW>(vrow + L::VROW, vw[1]);
+      lds_n<L::VW>(vrow + 8 * L::VROW, vw[2]);
+      lds_n<L::VW>(vrow + 9 * L::VROW, vw[3]);
+      const uint32_t s01 = *reinterpret_cast<const uint32_t*>(st + L::VS + 2 * (16 * kst + 2 * c));  // fp16 pair
+      const uint32_t s89 = *reinterpret_cast<const uint32_t*>(st + L::VS + 2 * (16 * kst + 2 * c + 8));
+      uint32_t rs[4][L::VW];  // (rcode / 16 x scale) of the word's low and high fields, fp16x2
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int x = 0; x < L::VW; ++x) {
+          uint32_t m;  // 1024 + rcode of both fields: (w & 0x000f000f) | 0x64006400 in one LOP3
+          asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(m) : "r"(vw[u][x]), "r"(0x000f000fu), "r"(0x64006400u));
+          const uint32_t r16 = hfma2_u32(m, half2_pow2_bits(-4, false), half2_pow2_bits(6, true));  // rcode / 16
+          const uint32_t sp = u == 0 || u == 2 ? (u == 0 ? s01 : s89) : (u == 1 ? s01 : s89);
+          rs[u][x] = (u & 1) ? hmul2_hi_u32(r16, sp) : hmul2_lo_u32(r16, sp);
+        }
+#pragma unroll
+      for (int m = 0; m < VP; ++m) {
+        uint32_t y01[4], y23[4];  // elements (0, 1) and (2, 3) of chunk VP i + m, token u
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const uint32_t w = vw[u][m >> 1];
+          const bool hi = m & 1;
+          const uint2 cw = lds_u2(cb + L::CB, hi ? cw16_off<true>(w) : cw16_off<false>(w));
+          const uint32_t r = rs[u][m >> 1];
+          y01[u] = hi ? hmul2_hi_u32(cw.x, r) : hmul2_lo_u32(cw.x, r);
+          y23[u] = hi ? hmul2_hi_u32(cw.y, r) : hmul2_lo_u32(cw.y, r);
+        }
+        uint32_t a[4];  // rows i (element 0 / 2), i + 8 (element 1 / 3); tokens 2c, 2c+1 | 2c+8, 2c+9
+        a[0] = __byte_perm(y01[0], y01[1], 0x5410);
+        a[1] = __byte_perm(y01[0], y01[1], 0x7632);
+        a[2] = __byte_perm(y01[2], y01[3], 0x5410);
+        a[3] = __byte_perm(y01[2], y01[3], 0x7632);
+        mma16816(acc[2 * m], a, pt[kst][0], pt[kst][1]);
+        a[0] = __byte_perm(y23[0], y23[1], 0x5410);
+        a[1] = __byte_perm(y23[0], y23[1], 0x7632);
+        a[2] = __byte_perm(y23[2], y23[3], 0x5410);
+        a[3] = __byte_perm(y23[2], y23[3], 0x7632);
+        mma16816(acc[2 * m + 1], a, pt[kst][0], pt[kst][1]);
+      }
+    }
+    ra = re = 0;
+    if (p.v.num_outliers > 0) hqmq_record_range(p.v, BH, t0 / kHqmqTile, n, &ra, &re);
+    if (ra < re) {  // warp-uniform: Med3x value records of this tile
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) buf[(16 * mt + i + 8 * (e >> 1)) * 8 + 2 * c + (e & 1)] = sc[mt][e];
+      __syncwarp();
+      for (int64_t r = ra; r < re; ++r) {
+        const int4 rec = __ldg(reinterpret_cast<const int4*>(p.v.outliers) + r);  // broadcast
+        const int cc = rec.y & 0xff;
+        const int64_t tl = (int64_t)rec.x - t0;
+        if (tl < 0 || tl >= kTile || (int64_t)((uint32_t)rec.y >> 8) != n || cc >= C) continue;
+        // chunk cc lives in lanes i = cc / VP, m-tiles 2 (cc % VP) (elements 0, 1 in rows i, i + 8)
+        // and 2 (cc % VP) + 1 (elements 2, 3)
+        const float v0 = half_bits_to_float((uint16_t)((uint32_t)rec.z & 0xffffu));
+        const float v1 = half_bits_to_float((uint16_t)((uint32_t)rec.z >> 16));
+        const float v2 = half_bits_to_float((uint16_t)((uint32_t)rec.w & 0xffffu));
+        const float v3 = half_bits_to_float((uint16_t)((uint32_t)rec.w >> 16));
+        const bool mine = i == cc / VP;
+        const float pA = mine ? buf[tl * 8 + 2 * c] : 0.f, pB = mine ? buf[tl * 8 + 2 * c + 1] : 0.f;
+        const int cm = cc % VP;
+        // zero-weight FMAs into every m-tile (a dynamically indexed acc would go to local memory)
+#pragma unroll
+        for (int mv = 0; mv < MV; ++mv) {
+          const float wA = (mv >> 1) == cm ? pA : 0.f, wB = (mv >> 1) == cm ? pB : 0.f;
+          const float vr = (mv & 1) ? v2 : v0, vr8 = (mv & 1) ? v3 : v1;  // rows i, i + 8
+          acc[mv][0] = fmaf(wA, vr, acc[mv][0]);
+          acc[mv][1] = fmaf(wB, vr, acc[mv][1]);
+          acc[mv][2] = fmaf(wA, vr8, acc[mv][2]);
+          acc[mv][3] = fmaf(wB, vr8, acc[mv][3]);
+        }
+      }
+      __syncwarp();
+    }
+    __syncwarp();  // every lane has read this stage: the next issue() may overwrite it
+  }
+  cp_async_wait<0>();
+  __syncwarp();
+  // ---- this warp's partial: (m, l), then the accumulators in its channel order ----
+  warp_store_ml(slot, D, g, i, c, mA, mB, lA, lB);
+#pragma unroll
+  for (int mv = 0; mv < MV; ++mv) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int head = 2 * c + (e & 1);
+      if (head >= g) continue;
+      const int ch = 4 * (VP * i + (mv >> 1)) + 2 * (mv & 1) + (e >> 1);
+      slot[head * (D + 2) + 2 + ch] = acc[mv][e];
+    }
+  }
+  __syncwarp();
+}
+
 template <typename DType, int D, int FMT>
 __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
     HqmqDecodeAttentionKernel(HqmqAttnParams p, SplitPlan plan, HqmqSmem sm) {
@@ -476,7 +835,28 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
   const int64_t t_begin = split * plan.chunk_main;
   const int64_t t_end = t_begin + plan.chunk_main < plan.t_main ? t_begin + plan.chunk_main : plan.t_main;
   const bool do_mma = sm.mma && t_begin < t_end;
-  if (do_mma) {  // build this head's codebooks: entry s * 24 + u = P[u] . secondary[h, s], fp16x4
+  constexpr bool kV2 = FMT == 3 && (D == 64 || D == 128);
+  if (do_mma && kV2) {  // v2 codebooks (hqmq_warp_mma16): 4096 entries per role, K x 2^15, V x 16/15
+    for (int role = 0; role < 2; ++role) {
+      const HqmqKV& s = role ? p.v : p.k;
+      uint2* cb = reinterpret_cast<uint2*>(smem) + role * 4096;
+      const float f = role ? 16.f / 15.f : 32768.f;
+      const int ne = (int)(vq::kHurwitzUnits * s.S);  // <= 4096 (hqmq_v2_ok)
+      auto entry = [&](int x) {
+        const int si = x / vq::kHurwitzUnits, u = x % vq::kHurwitzUnits;
+        const float* sec = s.secondary + (h * s.S + si) * 4;
+        float p0, p1, p2, p3, q0, q1, q2, q3;
+        vq::hurwitz_unit(u, p0, p1, p2, p3);
+        vq::hamilton(p0, p1, p2, p3, sec[0], sec[1], sec[2], sec[3], q0, q1, q2, q3);
+        return make_uint2(pack_half2(q0 * f, q1 * f), pack_half2(q2 * f, q3 * f));
+      };
+      for (int e = threadIdx.x; e < ne; e += blockDim.x) cb[e] = entry(e);
+      if (ne < 4096) {  // indices past 24 S: the clamped entry 24 S - 1 (as v1's clamp)
+        const uint2 last = entry(ne - 1);
+        for (int e = ne + threadIdx.x; e < 4096; e += blockDim.x) cb[e] = last;
+      }
+    }
+  } else if (do_mma) {  // build this head's codebooks: entry s * 24 + u = P[u] . secondary[h, s], fp16x4
     for (int role = 0; role < 2; ++role) {
       const HqmqKV& s = role ? p.v : p.k;
       uint2* cb = role ? cbv : cbk;
@@ -495,7 +875,10 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
   __syncthreads();
   if (do_mma) {
     float* buf = reinterpret_cast<float*>(region + sm.region - sizeof(float) * kTile * 8);
-    hqmq_warp_mma<DType, D, FMT>(p, b, h, g, t_begin, t_end, warp, slot, region, buf, cbk, cbv, s_q);
+    if constexpr (kV2)
+      hqmq_warp_mma16<DType, D>(p, b, h, g, t_begin, t_end, warp, slot, region, buf, smem, s_q);
+    else
+      hqmq_warp_mma<DType, D, FMT>(p, b, h, g, t_begin, t_end, warp, slot, region, buf, cbk, cbv, s_q);
   } else {
     for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
     __syncwarp();
