@@ -1006,6 +1006,92 @@ def test_cuda_gear_values_fused_layout_edges(dtype, D, k):
     _check_values_fused(y, 2, min(64, D), s, rank=0, check_finite=False, nan_values=True)
 
 
+_SELECT3_DRIVER = r"""
+#include "kvq/gear/gear_select3.h"
+#include <algorithm>
+#include <cstdio>
+#include <random>
+static bool same(const uint32_t* key) {
+  uint32_t k[16], s[16], tl[3], bl[3];
+  std::copy(key, key + 16, k);
+  std::copy(key, key + 16, s);
+  kvq::gear::gv_select3_16(k, tl, bl);
+  std::sort(s, s + 16);
+  return tl[0] == s[15] && tl[1] == s[14] && tl[2] == s[13] && bl[0] == s[0] && bl[1] == s[1] &&
+         bl[2] == s[2];
+}
+int main() {
+  long bad = 0;
+  uint32_t key[16];
+  for (uint32_t m = 0; m < 65536u; ++m) {  // every 0/1 input (0-1 principle: min / max only)
+    for (int i = 0; i < 16; ++i) key[i] = (m >> i) & 1u;
+    bad += !same(key);
+  }
+  std::mt19937 rng(7);
+  for (int it = 0; it < 200000; ++it) {  // distinct, tied, sorted, reversed keys
+    for (int i = 0; i < 16; ++i)
+      key[i] = it % 3 == 0   ? (uint32_t)rng()
+               : it % 3 == 1 ? (uint32_t)(rng() % 5)
+                             : (uint32_t)(rng() % 3) << 31 | i;
+    if (it % 7 == 0) std::sort(key, key + 16);
+    if (it % 11 == 0) std::sort(key, key + 16, [](uint32_t a, uint32_t b) { return a > b; });
+    bad += !same(key);
+  }
+  std::printf("%ld\n", bad);
+  return bad != 0;
+}
+"""
+
+
+def test_gear_values_select3_network_host(tmp_path):
+    """The fused value kernel's KMAX = 2 per-lane selection network (gear_select3.h, host and
+    device code) returns the 3 largest / smallest of 16 keys in order: every 0/1 input and
+    random, tied and sorted keys, against a sort (compiled for the host here)."""
+    import pathlib
+    import shutil
+    import subprocess
+    cxx = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    inc = pathlib.Path(__file__).resolve().parents[1] / "include"
+    src = tmp_path / "select3.cpp"
+    src.write_text(_SELECT3_DRIVER)
+    exe = tmp_path / "select3"
+    subprocess.run([cxx, "-std=c++17", "-O2", "-Wno-unknown-pragmas", f"-I{inc}", str(src), "-o",
+                    str(exe)], check=True, capture_output=True)
+    r = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "0", r.stdout + r.stderr
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_cuda_gear_values_fused_lane_extrema(dtype, k):
+    """Fast path: the group min / max taken from each lane's extreme keys (clamped), the
+    KMAX = 2 selection network (k <= 2) and the packed 16-bit clamp, at every lanes-per-group
+    count of D = 128 (G = 16 ... 128): sorted / reversed rows (network order), the top k + 1
+    or the group extremum inside one lane, lanes whose extremum is a clamped outlier, and lane
+    extrema that are signed zeros inside nonzero bounds (zero-sign fix-up)."""
+    g = torch.Generator().manual_seed(40 + k)
+    x = torch.randn(2, 2, 400, 128, generator=g).to(dtype)
+    x[:, :, 0::9] = torch.linspace(-3, 3, 128).to(dtype)                # ascending rows
+    x[:, :, 1::9] = torch.linspace(3, -3, 128).to(dtype)                # descending rows
+    x[:, :, 2::9, 32:32 + k + 1] = 40.0 + torch.arange(k + 1).to(dtype)  # top k+1 in lane 2
+    x[:, :, 3::9, 80:80 + k + 1] = -(40.0 + torch.arange(k + 1).to(dtype))
+    x[:, :, 4::9, 16:32] = x[:, :, 4::9, 16:32].abs() + 0.25            # lane 1 >= +0.25 ...
+    x[:, :, 4::9, 17] = -0.0                                            # ... but min -0
+    x[:, :, 4::9, 20] = 0.0
+    x[:, :, 5::9, 48:64] = -x[:, :, 5::9, 48:64].abs() - 0.25           # lane 3 max +0 / -0
+    x[:, :, 5::9, 50] = 0.0
+    x[:, :, 5::9, 51] = -0.0
+    x[:, :, 6::9, 96:112] = 0.0                                         # an all-zero lane
+    x[:, :, 6::9, 99] = -0.0
+    x[:, :, 7::9, 0] = 20.0                                             # an outlier per lane
+    x[:, :, 7::9, 16::16] = -20.0
+    for bits, G in ((2, 16), (4, 32), (2, 64), (8, 128)):
+        _check_values_fused(x, bits, G, _k_sparsity(k, 128))
+
+
 @needs_cuda
 def test_cuda_gear_values_fused_bench_shape():
     """The benchmark's gear-2 value shape (many rows per warp)."""

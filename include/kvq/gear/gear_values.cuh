@@ -22,6 +22,11 @@
 //     are their values.  Lanes write the 2k selected entries at their rank by index (the
 //     winners are known to every lane of the row); after the residual stores (and a
 //     __syncwarp) they also store the outliers' residual 0.
+//  KMAX = 2 (GearValuesCompressK2Kernel; s = 2 % at D = 128, and GEAR-L): the lists come from
+//  a selection network (gear_select3.h: four sorted 4-groups, top-3 merges; same lists), and
+//  in the fast path below the clamp runs on the 16-bit words (max / min.f16x2 / .bf16x2) and
+//  a lane's group min / max (G >= 16) is the clamped value of its extreme keys (the clamp is
+//  monotone) instead of fminf / fmaxf over its 16 values.
 //  Fast path (warp-uniform): no value of the warp's rows outside [-65504, 65504] (NaN / Inf
 //  included; read off the lane's extreme keys) and no zero clamp bound: then clamp by
 //  fminf / fmaxf and codes without the q clamps and the residual finite check (same bits:
@@ -42,6 +47,7 @@
 #include <type_traits>
 
 #include "kvq/gear/gear.h"
+#include "kvq/gear/gear_select3.h"
 #include "kvq/quant/group_quant.cuh"
 #include "kvq/select/outlier_topk.cuh"
 
@@ -138,6 +144,20 @@ __device__ __forceinline__ void gv_pack_store(const uint32_t (&mb)[E], int32_t* 
   }
 }
 
+/// min(max(x, lo), hi) on both 16-bit halves of w (fp16 or bf16 by DType); no NaN operands.
+template <typename DType>
+__device__ __forceinline__ uint32_t gv_clamp2(uint32_t w, uint32_t lo2, uint32_t hi2) {
+  uint32_t r;
+  if constexpr (std::is_same<DType, bf16_t>::value) {
+    asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(lo2));
+    asm("min.bf16x2 %0, %0, %1;" : "+r"(r) : "r"(hi2));
+  } else {
+    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(lo2));
+    asm("min.f16x2 %0, %0, %1;" : "+r"(r) : "r"(hi2));
+  }
+  return r;
+}
+
 template <typename DType>
 __device__ __forceinline__ float gv_to_float(uint32_t bits16) {
   DType v;
@@ -145,9 +165,9 @@ __device__ __forceinline__ float gv_to_float(uint32_t bits16) {
   return to_float(v);
 }
 
-/// \brief The fused value-side compress (see the file comment).  256 threads, any grid.
+/// \brief The fused value-side compress (see the file comment): the body of both kernels.
 template <typename DType, int D, int BITS, int KMAX>
-__global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
+__device__ __forceinline__ void gv_compress_body(const GearParams& p) {
   constexpr int E = kGvElems;                   // channels per lane (two 16-byte loads)
   constexpr int LPR = D / E;                    // lanes per row: 4, 8 or 16
   constexpr int RPW = 32 / LPR;                 // rows per warp and pass: 8, 4 or 2
@@ -174,12 +194,23 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
   constexpr uint32_t HI_OK = ((0x8000u | LIM) << 16) | 0xffffu;    // keys in [LO_OK, HI_OK]:
   constexpr uint32_t LO_OK = (0x7fffu - LIM) << 16;                 // |x| <= kMaxAbs
   // tie bytes b = 0xff - j of the lane's channels j = lr * E + i, four per word
+  // (bytes 0xff - j0 - 4q - t, t = 0..3, j0 = lr * E <= 240: no byte borrows, so one
+  // multiply-subtract per word; ptxas keeps or recomputes them cheaply inside the loop)
+  // KMAX = 2 (the instantiation the session-7 changes are limited to: other KMAX keep their
+  // old code, which ptxas fits in 80 registers without spills)
+  constexpr bool K2 = KMAX == 2;
   uint32_t tie[E / 4];
+  if constexpr (K2) {
+    const uint32_t tie0 = (0xffu - (uint32_t)(lr * E)) * 0x01010101u - 0x03020100u;
 #pragma unroll
-  for (int q = 0; q < E / 4; ++q) {
-    tie[q] = 0u;
+    for (int q = 0; q < E / 4; ++q) tie[q] = tie0 - (uint32_t)q * 0x04040404u;
+  } else {
 #pragma unroll
-    for (int t = 0; t < 4; ++t) tie[q] |= (0xffu - (uint32_t)(lr * E + 4 * q + t)) << (8 * t);
+    for (int q = 0; q < E / 4; ++q) {
+      tie[q] = 0u;
+#pragma unroll
+      for (int t = 0; t < 4; ++t) tie[q] |= (0xffu - (uint32_t)(lr * E + 4 * q + t)) << (8 * t);
+    }
   }
   const int gidx = small_g ? 0 : (lr * E) / G;          // G >= E: this lane's group
   const bool gwriter = small_g || ((lr * E) & (G - 1)) == 0;  // its first lane
@@ -220,18 +251,24 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
       tl[d] = 0u;
       bl[d] = FULL;
     }
+    if constexpr (K2 && P == 3 && E == 16) {  // KMAX = 2: selection network (same lists)
+      gv_select3_16(key, tl, bl);
+    } else {
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      uint32_t a = key[i], b = key[i];
+      for (int i = 0; i < E; ++i) {
+        uint32_t a = key[i], b = key[i];
 #pragma unroll
-      for (int d = 0; d < P; ++d) {
-        const uint32_t th = max(tl[d], a), bh = min(bl[d], b);
-        a = min(tl[d], a);
-        b = max(bl[d], b);
-        tl[d] = th;
-        bl[d] = bh;
+        for (int d = 0; d < P; ++d) {
+          const uint32_t th = max(tl[d], a), bh = min(bl[d], b);
+          a = min(tl[d], a);
+          b = max(bl[d], b);
+          tl[d] = th;
+          bl[d] = bh;
+        }
       }
     }
+    // the lane's largest / smallest key (before the rounds pop them): its max / min value
+    const uint32_t lane_kmax = tl[0], lane_kmin = bl[0];
     // any |x| > kMaxAbs, Inf or NaN in this lane (in key order: outside [LO_OK, HI_OK])
     const bool lane_bad = valid && (tl[0] > HI_OK || bl[0] < LO_OK);
     uint32_t tb[KMAX], bb[KMAX];
@@ -292,7 +329,19 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
 
     // ---- 3. clamp (+ finite check of x)
     float v[E];
-    if (fast) {
+    if (K2 && fast) {
+      // two values per min / max on the 16-bit words (max.f16x2 / max.bf16x2): the bounds
+      // are values of the dtype, the conversion to float is exact and monotone, and without
+      // NaN or zero bounds fminf(fmaxf(x, lo), hi) has no tie whose pick changes bits
+      const uint32_t lo2 = select::key16_to_bits(loK >> 16) * 0x10001u;
+      const uint32_t hi2 = select::key16_to_bits(hiK >> 16) * 0x10001u;
+#pragma unroll
+      for (int q = 0; q < NW; ++q) {
+        const uint32_t c2 = gv_clamp2<DType>(w[q], lo2, hi2);
+        v[2 * q] = gv_to_float<DType>(c2 & 0xffffu);
+        v[2 * q + 1] = gv_to_float<DType>(c2 >> 16);
+      }
+    } else if (fast) {
 #pragma unroll
       for (int i = 0; i < E; ++i)
         v[i] = fminf(fmaxf(gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu), lo), hi);
@@ -314,22 +363,32 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
     // ---- 4. group min / max: per 8-channel chunk, then (G >= E) over the chunks of the lane
     // and the G / E lanes of the group; qparams, codes
     float mn[NC], mx[NC];
+    if (K2 && fast && !small_g) {  // warp-uniform
+      // the lane's min / max of xc = clamp of the lane's min / max of x (the clamp is
+      // monotone; no NaN here), read off its extreme keys instead of 2 x 16 fminf / fmaxf.
+      // Equal values; the sign of a zero extremum is set below from v (zext), as before.
+      mn[0] = fminf(fmaxf(gv_to_float<DType>(select::key16_to_bits(lane_kmin >> 16)), lo), hi);
+      mx[0] = fminf(fmaxf(gv_to_float<DType>(select::key16_to_bits(lane_kmax >> 16)), lo), hi);
+    } else {
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      mn[c] = INFINITY;
-      mx[c] = -INFINITY;
+      for (int c = 0; c < NC; ++c) {
+        mn[c] = INFINITY;
+        mx[c] = -INFINITY;
 #pragma unroll
-      for (int i = 8 * c; i < 8 * c + 8; ++i) {
-        mn[c] = fminf(mn[c], v[i]);
-        mx[c] = fmaxf(mx[c], v[i]);
+        for (int i = 8 * c; i < 8 * c + 8; ++i) {
+          mn[c] = fminf(mn[c], v[i]);
+          mx[c] = fmaxf(mx[c], v[i]);
+        }
+      }
+      if (!small_g) {
+#pragma unroll
+        for (int c = 1; c < NC; ++c) {
+          mn[0] = fminf(mn[0], mn[c]);
+          mx[0] = fmaxf(mx[0], mx[c]);
+        }
       }
     }
     if (!small_g) {  // warp-uniform
-#pragma unroll
-      for (int c = 1; c < NC; ++c) {
-        mn[0] = fminf(mn[0], mn[c]);
-        mx[0] = fmaxf(mx[0], mx[c]);
-      }
 #pragma unroll
       for (int o = 1; o < LPR; o <<= 1) {  // o < lpg <= LPR: stays within the row's lanes
         if (o < lpg) {                      // warp-uniform
@@ -451,12 +510,31 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
   quant::report_status(p.status, check ? status : 0);
 }
 
+/// \brief The fused value-side compress, KMAX = 4 / 8.  256 threads, any grid.
+template <typename DType, int D, int BITS, int KMAX>
+__global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
+  gv_compress_body<DType, D, BITS, KMAX>(p);
+}
+
+/// \brief KMAX = 2 (s = 2 % at D = 128): 3 CTAs of 256 per SM requested, so that ptxas keeps
+/// the 80 registers of the old code (without it the 4-bit instantiations took 95-96, i.e. 2
+/// CTAs per SM).
+template <typename DType, int D, int BITS>
+__global__ void __launch_bounds__(256, 3) GearValuesCompressK2Kernel(GearParams p) {
+  gv_compress_body<DType, D, BITS, 2>(p);
+}
+
 /// \brief Launch (p: the long-path GearParams of gear_compress; gear_values_supported).
 template <typename DType, int D, int BITS, int KMAX>
 cudaError_t GearValuesCompress(const GearParams& p, cudaStream_t stream) {
   const int64_t rows = p.N * p.T;
   if (rows == 0) return cudaSuccess;
-  auto kernel = GearValuesCompressKernel<DType, D, BITS, KMAX>;
+  void (*kernel)(GearParams) = nullptr;
+  if constexpr (KMAX == 2) {
+    kernel = GearValuesCompressK2Kernel<DType, D, BITS>;
+  } else {
+    kernel = GearValuesCompressKernel<DType, D, BITS, KMAX>;
+  }
   constexpr int RPW = 32 / (D / kGvElems);
   // one resident wave: the warps stride over the rows (and prefetch the next ones)
   static const int per_sm = [&] {
