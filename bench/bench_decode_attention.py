@@ -8,6 +8,17 @@ times), bytes the fused op must read, achieved GB/s and % of the
 device-to-device copy bandwidth measured in the same run.
 
     python bench/bench_decode_attention.py [--batch 1 8 32] [--len 4096 32768 131072]
+
+``--stream-prefill P`` builds every cache as a long generation leaves it: one ``update`` with
+the first P tokens (the prefill block), then one with the other L - P (GEAR: compressed in
+``buffer_length``-token decode blocks, each with its own outliers and rank-``rank_decode``
+factors, exactly as token-by-token appends would form them; the tokens past the last whole
+block stay in the full-precision buffer).  Rows are labelled ``[stream P+rest]``; the
+dequantize+SDPA rows are left out (the Python per-block dequantize is not what is measured).
+Default: off (one update of all L tokens, the rows of docs/benchmarks.md).
+
+    python bench/bench_decode_attention.py --batch 8 --len 32768 --stream-prefill 4096 \
+        --presets kivi-2 gear-2 gearl-2 outlier-2
 """
 from __future__ import annotations
 
@@ -37,6 +48,8 @@ def main(argv=None):
     ap.add_argument("--h", type=int, default=8)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--max-kv-gb", type=float, default=40.0, help="skip shapes whose FP16 KV exceeds this")
+    ap.add_argument("--stream-prefill", type=int, default=None, metavar="P",
+                    help="build each cache from a P-token prefill, then the rest appended (decode blocks)")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     ap.add_argument("--hqmq-v1", action="store_true",
                     help="also time hqmq-3.79 on the v1 kernel layout (A/B against the default v2)")
@@ -53,6 +66,9 @@ def main(argv=None):
             fp16_bytes = 2 * B * H * L * D * 2
             if fp16_bytes / 1e9 > args.max_kv_gb:
                 continue
+            P = args.stream_prefill
+            stream = P is not None and 0 < P < L
+            tag = f" [stream {P}+{L - P}]" if stream else ""
             torch.manual_seed(0)
             k = torch.randn(B, H, L, D, device="cuda", dtype=torch.float16)
             v = torch.randn(B, H, L, D, device="cuda", dtype=torch.float16)
@@ -67,7 +83,16 @@ def main(argv=None):
             for name in presets:
                 cache = kvq.KVCache(name, check_finite=False)
                 try:
-                    cache.update(k, v, 0)
+                    if stream:
+                        cache.update(k[:, :, :P], v[:, :, :P], 0)
+                        cache.update(k[:, :, P:], v[:, :, P:], 0)
+                        kst = cache.layers[0].key
+                        if hasattr(kst, "num_decode_blocks"):
+                            print(f"{name}: prefill block {kst.T0} tokens, {kst.num_decode_blocks} decode blocks"
+                                  f" of {kst.config.buffer_length}, buffer "
+                                  f"{0 if kst.buffer is None else kst.buffer.shape[2]}", flush=True)
+                    else:
+                        cache.update(k, v, 0)
                 except Exception as e:  # pragma: no cover - report and go on
                     print(f"skip {name}: {e}")
                     continue
@@ -81,7 +106,7 @@ def main(argv=None):
                 eager = bench_gpu_time(run, samples=50 if fused else 10)["us"]
                 t = bench_gpu_time(run, samples=50 if fused else 10, graph=fused)
                 bw = nbytes / (t["us"] * 1e-6)
-                rows.append([B, L, f"{name} {label}", f"{t['us']:.1f}", f"{eager:.1f}", f"{base / t['us']:.2f}",
+                rows.append([B, L, f"{name} {label}{tag}", f"{t['us']:.1f}", f"{eager:.1f}", f"{base / t['us']:.2f}",
                              f"{nbytes / 1e6:.0f}", f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
                 print(rows[-1], flush=True)
                 if name == "hqmq-3.79" and fused and args.hqmq_v1:
@@ -92,10 +117,10 @@ def main(argv=None):
                     finally:
                         _C._hqmq_decode_v2(prev)
                     bw = nbytes / (t["us"] * 1e-6)
-                    rows.append([B, L, f"{name} fused (v1 layout)", f"{t['us']:.1f}", "", f"{base / t['us']:.2f}",
+                    rows.append([B, L, f"{name} fused (v1 layout){tag}", f"{t['us']:.1f}", "", f"{base / t['us']:.2f}",
                                  f"{nbytes / 1e6:.0f}", f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
                     print(rows[-1], flush=True)
-                if name in ("kivi-2", "gear-2", "hqmq-3.79", "hqmq-5"):
+                if not stream and name in ("kivi-2", "gear-2", "hqmq-3.79", "hqmq-5"):
                     def deq_sdpa():
                         K, V = cache.dequantize(0)
                         return F.scaled_dot_product_attention(q, K, V, enable_gqa=True)

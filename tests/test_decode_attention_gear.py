@@ -368,6 +368,112 @@ def test_cuda_wide_value_indices(preset):
     torch.testing.assert_close(run(wide), out, rtol=0, atol=0)
 
 
+def stream_cache(cfg, B, H, P, nblk, extra, D, dtype, device, seed=0):
+    """The cache a long generation leaves: a P-token prefill (one update), nblk decode blocks
+    of buffer_length tokens appended by one update (each block compressed on its own, as
+    token-by-token appends would), then ``extra`` single-token steps (full-precision buffer)."""
+    cache = kvq.KVCache(cfg)
+    nb = cache.config.buffer_length
+    T = P + nblk * nb
+    k = spiky_kv(B, H, T, D, dtype, device, seed)
+    v = spiky_kv(B, H, T, D, dtype, device, seed + 1)
+    cache.update(k[:, :, :P], v[:, :, :P], 0)
+    cache.update(k[:, :, P:], v[:, :, P:], 0)
+    for s in range(extra):
+        cache.update(spiky_kv(B, H, 1, D, dtype, device, seed + 2 + 2 * s),
+                     spiky_kv(B, H, 1, D, dtype, device, seed + 3 + 2 * s), 0)
+    return cache
+
+
+# decode-heavy caches: (config, D, dtype, prefill P, decode blocks, single-token steps, tol)
+_DECODE_HEAVY = [
+    # the bench's gear-2 (r 4 / 2) with 60 decode blocks of 2 tiles: every tile of a warp
+    # starts a new block (q . B_k and the B_v flush per tile); odd buffer length
+    ("gear-2", 128, torch.float16, 1024, 60, 37, 4e-3),
+    ("gearl-2", 128, torch.float16, 1024, 60, 37, 4e-3),
+    ("outlier-2", 128, torch.float16, 1024, 60, 37, 4e-3),
+    ("gear-2", 64, torch.bfloat16, 512, 40, 5, 1.5e-2),
+    ("gear-2", 256, torch.float16, 512, 40, 63, 4e-3),
+    # no prefill block (the first update is shorter than a group): decode blocks only, T0 = 0
+    ("gear-2", 128, torch.float16, 20, 50, 1, 4e-3),
+    # odd decode rank, blocks of 3 tiles starting at an odd tile (prefill of 13 tiles)
+    (kvq.GEARConfig(bits=2, group_size=32, sparsity=0.02, rank=4, rank_decode=3, buffer_length=96), 128,
+     torch.float16, 416, 30, 17, 4e-3),
+    # rank 8 in both block kinds (all 8 rows of the q . B_k tile), blocks of one tile, fp32 cache
+    (kvq.GEARConfig(bits=2, group_size=32, sparsity=0.02, rank=8, rank_decode=8, buffer_length=32), 128,
+     torch.float32, 256, 70, 3, 4e-3),
+    # rank 1 decode blocks, 4-bit backbone
+    (kvq.GEARConfig(bits=4, group_size=64, sparsity=0.02, rank=4, rank_decode=1, buffer_length=64), 128,
+     torch.float16, 1024, 40, 9, 4e-3),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cfg,P,T0,buf", [
+    ("gear-2", 128, 128, 7),
+    (kvq.GEARConfig(bits=2, group_size=32, sparsity=0.02, rank=4, rank_decode=3, buffer_length=96), 96, 96, 7),
+    ("gear-2", 20, 0, 27),  # a first update shorter than a group: no prefill block
+])
+def test_decode_heavy_stream(device, cfg, P, T0, buf):
+    """A prefill block followed by many decode blocks (each with its own outliers and factors)
+    and an odd buffer: the fused op against attention over cache.dequantize(); batch rows
+    independent."""
+    B, H, D = 3, 2, 64
+    cache = stream_cache(cfg, B, H, P, 12, 7, D, torch.float16, device, seed=21)
+    kst = cache.layers[0].key
+    assert (kst.T0, kst.num_decode_blocks, kst.buffer.shape[2]) == (T0, 12, buf)
+    q = torch.randn(B, 8, D, dtype=torch.float16, device=device)
+    out = fused(cache, q)
+    check_row_independent(cache, q, out, 4e-3)
+
+
+def check_row_independent(cache, q, out, tol):
+    """Batch row 1 of ``cache`` alone (a B = 1 cache from its state) gives row 1 of ``out``."""
+    one = kvq.KVCache(cache.config)
+    one.load_state_dict(_to_dev(_slice_batch(cache.state_dict(), 1), q.device))
+    got = kvq.decode_attention(q[1:2], one, 0)
+    torch.testing.assert_close(got.float(), out[1:2].float(), rtol=tol, atol=tol)
+
+
+@requires_cuda
+@pytest.mark.parametrize("cfg,D,dtype,P,nblk,extra,tol", _DECODE_HEAVY)
+def test_cuda_decode_heavy_matches_cpu(cfg, D, dtype, P, nblk, extra, tol):
+    """Caches built by streaming (prefill + many decode blocks + buffer), B = 3: the kernel's
+    per-block work (q . B_k through the dense tile, the B_v flush, prefetched B rows; blocks
+    that start at every tile of a warp) equals the CPU op on the same stored data, and
+    attention over the dequantized cache."""
+    B, H = 3, 2
+    cache = stream_cache(cfg, B, H, P, nblk, extra, D, dtype, "cuda", seed=13)
+    kst = cache.layers[0].key
+    assert kst.num_decode_blocks >= nblk - 1
+    q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out = check(cache, q, tol=tol)
+    cpu = kvq.KVCache(cache.config)
+    cpu.load_state_dict(_to_cpu(cache.state_dict()))
+    ref = kvq.decode_attention(q.cpu(), cpu, 0)
+    err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
+    assert err < tol, err
+    check_row_independent(cache, q, out, tol)
+
+
+def _slice_batch(x, b):
+    if isinstance(x, dict):
+        return {k: _slice_batch(v, b) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_slice_batch(v, b) for v in x)
+    return x[b:b + 1].clone() if isinstance(x, torch.Tensor) and x.dim() >= 3 else x  # [B, H, ...] tensors
+
+
+def _to_dev(x, dev):
+    if isinstance(x, dict):
+        return {k: _to_dev(v, dev) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_dev(v, dev) for v in x)
+    return x.to(dev) if isinstance(x, torch.Tensor) else x
+
+
 def _to_cpu(x):
     if isinstance(x, dict):
         return {k: _to_cpu(v) for k, v in x.items()}

@@ -149,7 +149,9 @@ __device__ __forceinline__ void warp_copy_async(void* dst, const void* src, int 
 /// the kernel prologue and laid out for 16-byte loads, so that a tile's addresses cost a few
 /// shared loads and 32-bit operations instead of gear_seg's 64-bit products of the parameter
 /// strides; then the channel -> position tables of the dense correction tiles (QK mma order
-/// for keys, PV mma order for values).
+/// for keys, PV mma order for values).  The low-rank B factors (kB / vB) are read at a warp's
+/// first tile of a block (q . B_k) and at its last (the B_v flush): once per tile in the
+/// 64-token decode blocks, where every tile of a warp starts a new block.
 struct alignas(16) GearSegCta {
   const char* kA;  // low-rank rows, fp16 [T_seg, r] (nullptr: r = 0)
   const char* vA;
@@ -164,10 +166,16 @@ struct alignas(16) GearSegCta {
   uint32_t flags;   // the segment's part of GearTileDesc::flags (ranks, outlier kinds, 2k of values)
   int kr2, vr2;     // bytes per A row (2 r) of keys / values
   int vnk;          // 2k of values
+  const char* kB;   // low-rank B (fp16 [D, r]) of block 0 of keys (nullptr: r = 0), block stride in bytes
+  long long kB_sblk;
+  const char* vB;   // the same of values
+  long long vB_sblk;
 };
-// issue() reads a GearSegCta as 16-byte words 0 (kA, vA), 1 (vod, voi), 2 (koff, f_sblk), 5 (flags ...)
-static_assert(sizeof(GearSegCta) == 96 && offsetof(GearSegCta, vod) == 16 && offsetof(GearSegCta, koff) == 32 &&
-                  offsetof(GearSegCta, flags) == 80 && offsetof(GearSegCta, vnk) == 92,
+// issue() reads a GearSegCta as 16-byte words 0 (kA, vA), 1 (vod, voi), 2 (koff, f_sblk), 5 (flags ...),
+// 6 (kB, kB_sblk), 7 (vB, vB_sblk)
+static_assert(sizeof(GearSegCta) == 128 && offsetof(GearSegCta, vod) == 16 && offsetof(GearSegCta, koff) == 32 &&
+                  offsetof(GearSegCta, flags) == 80 && offsetof(GearSegCta, vnk) == 92 &&
+                  offsetof(GearSegCta, kB) == 96 && offsetof(GearSegCta, vB) == 112,
               "GearSegCta layout");
 struct GearCta {
   static constexpr int SEG = 0;                                   // GearSegCta [segment]
@@ -283,7 +291,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // ---------------------------------------------------------------------------
 /// Per-warp scratch of the GEAR extras (byte offsets for g query heads; 16-byte multiples).
 struct GearScratch {
-  static constexpr int QB = 0;                     // float [8][8]: q . B_k of the current block
+  static constexpr int QB = 0;                     // float [8][8]: q . B_k of the current block (D > 128)
   static constexpr int DV = QB + 64 * 4;            // fp16 [16 tokens][D + 8]: value outlier corrections
                                                    // of half a tile, in mma order (padded rows)
   KVQ_HOST_DEVICE static int bytes(int D) { return (DV + 16 * (D + 8) * 2 + 15) / 16 * 16; }
@@ -378,6 +386,14 @@ __device__ __forceinline__ uint32_t gear_pair(const uint16_t* a, int row, int j,
   const uint32_t lo = j < r ? (uint32_t)a[row * r + j] : 0u;
   const uint32_t hi = j + 1 < r ? (uint32_t)a[row * r + j + 1] : 0u;
   return lo | (hi << 16);
+}
+/// Prefetch [p, p + bytes) into L1 (a hint: no effect on results; every address prefetched
+/// lies inside the range): the warp's lanes take one 128-byte line each.
+__device__ __forceinline__ void gear_prefetch_l1(const char* p, int bytes, int lane) {
+  for (int x = lane; x * 128 < bytes + 127; x += 32) {
+    const char* a = p + (x * 128 < bytes ? x * 128 : bytes - 1);
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(a));
+  }
 }
 
 /// 2^x for x <= 0 (or -inf -> 0) with one MUFU.EX2: exp2f's range scaling for results below
@@ -478,6 +494,10 @@ __device__ __forceinline__ void gear_cta_fill(const DecodeAttnParams& p, int64_t
     gs.flags = (uint32_t)K.r | ((uint32_t)V.r << 4) | (ko ? kGdKOut : 0u) | (vo ? kGdVOut : 0u) |
                (vstaged ? kGdVStaged : 0u) | ((uint32_t)nk << 16);
     gs.kr2 = 2 * K.r, gs.vr2 = 2 * V.r, gs.vnk = nk;
+    gs.kB = K.r > 0 ? reinterpret_cast<const char*>(K.Bf + b * K.B_sb + h * K.B_sh) : nullptr;
+    gs.kB_sblk = K.B_sblk * 2;
+    gs.vB = V.r > 0 ? reinterpret_cast<const char*>(V.Bf + b * V.B_sb + h * V.B_sh) : nullptr;
+    gs.vB_sblk = V.B_sblk * 2;
     reinterpret_cast<GearSegCta*>(gcta + GearCta::SEG)[tid] = gs;
   }
   uint8_t* klut = reinterpret_cast<uint8_t*>(gcta + GearCta::KLUT);
@@ -631,9 +651,21 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
                                          kTile * nk * (int)sizeof(DType), lane);
           warp_copy_async<TL::VOI_BYTES>(st + TL::VOI_OFF, ptr(g1.z, g1.w) + ts0 * nk, kTile * nk, lane);
         }
+        // the warp's next tile (t + kStep) lies in a later block, or there is none; its previous
+        // tile (t - kStep) in an earlier one, or there is none
+        const bool last = k + 1 >= ntiles || tb0 + kStep >= (seg ? nb : T0);
+        const bool bfirst = k == 0 || tb0 < kStep;
+        // the block's B rows that the compute step reads from global memory at this tile (q . B_k
+        // at the warp's first tile of the block, the B_v flush at its last): into L1 one tile ahead
+        if (bfirst && (sf & 0x0Fu)) {
+          const uint4 g6 = gs[6];
+          gear_prefetch_l1(ptr(g6.x, g6.y) + blk * (int64_t)(((uint64_t)g6.w << 32) | g6.z), D * kr2, lane);
+        }
+        if (last && (sf & 0xF0u)) {
+          const uint4 g7 = gs[7];
+          gear_prefetch_l1(ptr(g7.x, g7.y) + blk * (int64_t)(((uint64_t)g7.w << 32) | g7.z), D * vr2, lane);
+        }
         if (lane == 0) {
-          // the warp's next tile (t + kStep) lies in a later block, or there is none
-          const bool last = k + 1 >= ntiles || tb0 + kStep >= (seg ? nb : T0);
           *reinterpret_cast<uint4*>(st + TL::GD_OFF) =
               make_uint4(sf | ((uint32_t)(jt & 3) << 8) | (last ? kGdLast : 0u), (uint32_t)(seg ? 1 + blk : 0),
                          (uint32_t)ts0, 0u);
@@ -832,25 +864,79 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       const int kr = (int)(gf & 15u);
       if (gbid != cur_bid) {  // a new block for this warp (rare: once per block and warp)
         cur_bid = gbid;
-        // q . B_k of this block (lanes over channels, butterfly sums), scaled like q
         if (kr > 0) {
-          const GearSegView kg = gear_seg<DType>(p.gk, b, h, gbid > 0 ? 1 : 0, gbid > 0 ? gbid - 1 : 0);
-          for (int hr = 0; hr < g * kr; ++hr) {
-            const int hh = hr / kr, j = hr - hh * kr;
-            float a = 0.f;
-#pragma unroll
+          if constexpr (D <= 128) {
+            // q . B_k of this block, scaled like q, on the tensor cores: B_k^T (ranks x channels)
+            // is written (fp16) into the per-warp dense tile s_dv (zero here: row j = rank j < kr,
+            // column = the channel's QK position, table klut) and runs through the QK mma with
+            // the q fragments like the key outlier corrections, then is cleared.  C (lane (i, c):
+            // rank i, heads 2c, 2c + 1; rows >= kr zero) transposed by movmatrix is the B fragment
+            // of the low-rank score mma (head i, ranks 2c, 2c + 1).  B_k rows were prefetched by
+            // issue().
+            const GearSegCta* gs = reinterpret_cast<const GearSegCta*>(gcta + GearCta::SEG) + (gbid > 0 ? 1 : 0);
+            const uint16_t* bk =
+                reinterpret_cast<const uint16_t*>(gs->kB + (gbid > 1 ? (int64_t)(gbid - 1) * gs->kB_sblk : 0));
+            const uint8_t* klut = reinterpret_cast<const uint8_t*>(gcta + GearCta::KLUT);
+            const uint32_t dv_base = (unsigned)__cvta_generic_to_shared(s_dv);
+            // (lane's channels one at a time: unrolled, the fp16 D = 128 2-bit kernel spilled a
+            // register that the tile loop reloads every tile; ptxas of nvcc 13.0)
+#pragma unroll 1
             for (int m = 0; m < D / 32; ++m) {
               const int ch = lane + 32 * m;
-              a += s_q[hh * D + ch] * half_bits_to_float(__ldg(kg.Bf + ch * kr + j));
-            }
+              const uint32_t at = dv_base + 2u * klut[ch];  // channel ch in row 0
+              const uint16_t* row = bk + ch * kr;
+              if constexpr (sizeof(DType) == 2) {
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-            if (lane == 0) s_qb[hh * 8 + j] = a;
+                for (int j = 0; j < 8; ++j)  // (kr <= 8: constant offsets, no loop)
+                  if (j < kr) sts_u16(at + 2u * (uint32_t)(j * DVS), __ldg(row + j));
+              } else {  // (fp32 caches: the unrolled form made ptxas spill in the tile loop)
+                for (int j = 0; j < kr; ++j) sts_u16(at + 2u * (uint32_t)(j * DVS), __ldg(row + j));
+              }
+            }
+            __syncwarp();
+            float d[4] = {0.f, 0.f, 0.f, 0.f};
+            // ldmatrix.x4 rows of this lane: ranks (lane & 7) + 8 ((lane >> 3) & 1), k + 8 (lane >> 4)
+            const unsigned ld_base = dv_base + 2u * (((lane & 7) + 8 * ((lane >> 3) & 1)) * DVS + 8 * (lane >> 4));
+#pragma unroll
+            for (int kk = 0; kk < NK; ++kk) {
+              uint32_t a[4];
+              ldmatrix_x4<false>(a, ld_base + 32u * kk);
+              mma16816(d, a, qb[kk][0], qb[kk][1]);
+            }
+            __syncwarp();
+#pragma unroll 1
+            for (int m = 0; m < D / 32; ++m) {
+              const uint32_t at = dv_base + 2u * klut[lane + 32 * m];
+              if constexpr (sizeof(DType) == 2) {
+#pragma unroll 2  // (fully unrolled like the loads above, ptxas spilled a register in the tile loop)
+                for (int j = 0; j < kr; ++j) sts_u16(at + 2u * (uint32_t)(j * DVS), 0u);
+              } else {
+                for (int j = 0; j < kr; ++j) sts_u16(at + 2u * (uint32_t)(j * DVS), 0u);
+              }
+            }
+            __syncwarp();
+            qlr = movmatrix_trans(pack_half2(d[0], d[1]));
+          } else {
+            // D = 256: q . B_k by lanes over channels and butterfly sums (the dense-tile form above
+            // made ptxas spill q fragments in the tile loop of these 255-register kernels)
+            const uint16_t* bk = gear_seg<DType>(p.gk, b, h, gbid > 0 ? 1 : 0, gbid > 0 ? gbid - 1 : 0).Bf;
+            for (int hr = 0; hr < g * kr; ++hr) {
+              const int hh = hr / kr, j = hr - hh * kr;
+              float a = 0.f;
+#pragma unroll
+              for (int m = 0; m < D / 32; ++m) {
+                const int ch = lane + 32 * m;
+                a += s_q[hh * D + ch] * half_bits_to_float(__ldg(bk + ch * kr + j));
+              }
+#pragma unroll
+              for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+              if (lane == 0) s_qb[hh * 8 + j] = a;
+            }
+            __syncwarp();
+            const float q0 = (i < g && 2 * c < kr) ? s_qb[i * 8 + 2 * c] * rq : 0.f;
+            const float q1 = (i < g && 2 * c + 1 < kr) ? s_qb[i * 8 + 2 * c + 1] * rq : 0.f;
+            qlr = pack_half2(q0, q1);
           }
-          __syncwarp();
-          const float q0 = (i < g && 2 * c < kr) ? s_qb[i * 8 + 2 * c] * rq : 0.f;
-          const float q1 = (i < g && 2 * c + 1 < kr) ? s_qb[i * 8 + 2 * c + 1] * rq : 0.f;
-          qlr = pack_half2(q0, q1);
         }
       }
       if (kr > 0) {  // scores += A_k[t] . qB: one mma per 16 tokens (ranks = k, zero beyond r)
@@ -1118,16 +1204,17 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
         }
       }
       // end of a block for this warp: O^T += B_v (channels x ranks) . U (ranks x heads)
-      if (vr > 0 && (gf & kGdLast)) {
-        const GearSegView vg = gear_seg<DType>(p.gv, b, h, gbid > 0 ? 1 : 0, gbid > 0 ? gbid - 1 : 0);
+      if (vr > 0 && (gf & kGdLast)) {  // (B_v rows prefetched by issue())
+        const GearSegCta* gs = reinterpret_cast<const GearSegCta*>(gcta + GearCta::SEG) + (gbid > 0 ? 1 : 0);
+        const uint16_t* bv = reinterpret_cast<const uint16_t*>(gs->vB + (gbid > 1 ? (int64_t)(gbid - 1) * gs->vB_sblk : 0));
         const uint32_t ub = movmatrix_trans(pack_half2(u[0], u[1]));  // lane (i, c): head i, ranks 2c, 2c + 1
 #pragma unroll
         for (int pp = 0; pp < MV; ++pp) {
           const int pair = i * CM::VP + pp;
           const int ch0 = (pair / PK::PO) * PK::CPW + pair % PK::PO, ch1 = ch0 + PK::PO;
           uint32_t a[4];
-          a[0] = gear_pair(vg.Bf, ch0, 2 * c, vr);
-          a[1] = gear_pair(vg.Bf, ch1, 2 * c, vr);
+          a[0] = gear_pair(bv, ch0, 2 * c, vr);  // (generic loads: __ldg here made ptxas spill)
+          a[1] = gear_pair(bv, ch1, 2 * c, vr);
           a[2] = a[3] = 0u;
           mma16816(acc[pp], a, ub, 0u);
         }
