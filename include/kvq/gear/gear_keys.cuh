@@ -54,29 +54,47 @@ __device__ __forceinline__ uint32_t gk_val_bits(uint32_t kk, int side) {
 /// them (one more pass) -- the same value the remaining passes would reach, typically after
 /// about half the passes.  Warp-uniform arguments; result in every lane.
 template <int NBITS = 32, class F>
-__device__ __forceinline__ uint32_t gk_kth_largest(const F& key_at, int n, int kth, int lane) {
-  static_assert(NBITS >= 1 && NBITS <= 32, "key width");
-  uint32_t ans = 0;
+__device__ __forceinline__ uint32_t gk_kth_largest(const F& key_at, int n, int kth, int lane);
+
+/// \brief The bitwise search shared by gk_kth_largest and gk_kth_largest_reg, from bit b down
+/// with ans = the common prefix of the bits above b (have = n keys >= it).  count_ge(cand): this
+/// lane's number of keys >= cand; min_ge(ans): this lane's smallest key >= ans (0xffffffff if
+/// none).  Warp-uniform n, kth; result in every lane.
+template <class C, class M>
+__device__ __forceinline__ uint32_t gk_kth_search(uint32_t ans, int b, int n, int kth, const C& count_ge,
+                                                  const M& min_ge) {
   int have = n;  // keys >= ans (warp-uniform)
-  for (int b = NBITS - 1; b >= 0 && have != kth; --b) {
+  for (; b >= 0 && have != kth; --b) {
     const uint32_t cand = ans | (1u << b);
-    int cnt = 0;
-    for (int i = lane; i < n; i += 32) cnt += key_at(i) >= cand ? 1 : 0;
-    cnt = (int)__reduce_add_sync(kGkFull, (unsigned)cnt);
+    const int cnt = (int)__reduce_add_sync(kGkFull, (unsigned)count_ge(cand));
     if (cnt >= kth) {
       ans = cand;
       have = cnt;
     }
   }
-  if (have == kth) {
+  if (have == kth) ans = __reduce_min_sync(kGkFull, min_ge(ans));
+  return ans;
+}
+
+template <int NBITS, class F>
+__device__ __forceinline__ uint32_t gk_kth_largest(const F& key_at, int n, int kth, int lane) {
+  static_assert(NBITS >= 1 && NBITS <= 32, "key width");
+  uint32_t ans = 0;
+  int b = NBITS - 1;
+  auto count_ge = [&](uint32_t cand) {
+    int cnt = 0;
+    for (int i = lane; i < n; i += 32) cnt += key_at(i) >= cand ? 1 : 0;
+    return cnt;
+  };
+  auto min_ge = [&](uint32_t ans) {
     uint32_t m = 0xffffffffu;
     for (int i = lane; i < n; i += 32) {
       const uint32_t kk = key_at(i);
       if (kk >= ans && kk < m) m = kk;
     }
-    ans = __reduce_min_sync(kGkFull, m);
-  }
-  return ans;
+    return m;
+  };
+  return gk_kth_search(ans, b, n, kth, count_ge, min_ge);
 }
 /// \brief gk_kth_largest over keys held in registers: entry i = r * 32 + lane is v[r], valid
 /// iff i < n (padding is never read).  PREFIX: first the warp min / max of the valid keys; the
@@ -103,26 +121,20 @@ __device__ __forceinline__ uint32_t gk_kth_largest_reg(const uint32_t (&v)[R], i
     b = 31 - __clz(d);
     ans = b == 31 ? 0u : (hi & (0xffffffffu << (b + 1)));
   }
-  int have = n;  // keys >= ans (warp-uniform)
-  for (; b >= 0 && have != kth; --b) {
-    const uint32_t cand = ans | (1u << b);
+  auto count_ge = [&](uint32_t cand) {
     int cnt = 0;
 #pragma unroll
     for (int r = 0; r < R; ++r) cnt += (r * 32 + lane < n && v[r] >= cand) ? 1 : 0;
-    cnt = (int)__reduce_add_sync(kGkFull, (unsigned)cnt);
-    if (cnt >= kth) {
-      ans = cand;
-      have = cnt;
-    }
-  }
-  if (have == kth) {
+    return cnt;
+  };
+  auto min_ge = [&](uint32_t a) {
     uint32_t m = 0xffffffffu;
 #pragma unroll
     for (int r = 0; r < R; ++r)
-      if (r * 32 + lane < n && v[r] >= ans && v[r] < m) m = v[r];
-    ans = __reduce_min_sync(kGkFull, m);
-  }
-  return ans;
+      if (r * 32 + lane < n && v[r] >= a && v[r] < m) m = v[r];
+    return m;
+  };
+  return gk_kth_search(ans, b, n, kth, count_ge, min_ge);
 }
 /// \brief Position of the r-th (0-based) set bit of m; requires r < popc(m) (5 popc steps; the
 /// hardware-less __fns is a longer software search on sm_90).
