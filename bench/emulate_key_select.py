@@ -168,6 +168,20 @@ def min_above(keys, K):
     return int(m.min()) if len(m) else M32
 
 
+def select_old(arr, n, kt, st, tag):
+    """The shared-memory kth search + the selection above it: (Kkt, Kk, selected keys)."""
+    Kkt = kth_largest_old(arr, n, kt, 32, st, tag)
+    Kk = min_above(arr, Kkt)
+    return Kkt, Kk, [int(x) for x in arr if x >= Kk]
+
+
+def fallback_keys(keys, T, side):
+    """Composite keys of all T tokens (the overflow fallback)."""
+    t = np.arange(T, dtype=np.int64)
+    ck = (keys << 16) | (0xFFFF - t)
+    return ck if side == 0 else (M32 ^ ck)
+
+
 def nth_bit(m, r):
     """gk_nth_bit: position of the r-th (0-based) set bit of m (r < popc(m))."""
     pos = 0
@@ -248,17 +262,9 @@ def old_kernel(bits, k, tpt, cap, st):
     for side in range(2):
         buf, cnt, _ = res[side]
         if cnt <= cap:
-            arr = np.array(buf, dtype=np.int64)
-            Kkt = kth_largest_old(arr, cnt, kt, 32, st, "old_sel")
-            Kk = min_above(arr, Kkt)
-            sel = [int(x) for x in arr if x >= Kk]
+            Kkt, Kk, sel = select_old(np.array(buf, dtype=np.int64), cnt, kt, st, "old_sel")
         else:
-            t = np.arange(T, dtype=np.int64)
-            ck = (keys << 16) | (0xFFFF - t)
-            arr = ck if side == 0 else (M32 ^ ck)
-            Kkt = kth_largest_old(arr, T, kt, 32, st, "old_fallback")
-            Kk = min_above(arr, Kkt)
-            sel = [int(x) for x in arr if x >= Kk]
+            Kkt, Kk, sel = select_old(fallback_keys(keys, T, side), T, kt, st, "old_fallback")
         out.append(finish(sel, side, Kkt, Kk))
     return out, res
 
@@ -385,17 +391,9 @@ def new_kernel(bits, k, tpt, cap, st, rng):
             Kk = min_above(vv, Kkt)
             sel = [int(x) for x in vv if x >= Kk]
         elif cnt <= cap:
-            arr = np.array(buf, dtype=np.int64)
-            Kkt = kth_largest_old(arr, cnt, kt, 32, st, "new_sel_smem")
-            Kk = min_above(arr, Kkt)
-            sel = [int(x) for x in arr if x >= Kk]
+            Kkt, Kk, sel = select_old(np.array(buf, dtype=np.int64), cnt, kt, st, "new_sel_smem")
         else:
-            t = np.arange(T, dtype=np.int64)
-            ck = (keys << 16) | (0xFFFF - t)
-            arr = ck if side == 0 else (M32 ^ ck)
-            Kkt = kth_largest_old(arr, T, kt, 32, st, "new_fallback")
-            Kk = min_above(arr, Kkt)
-            sel = [int(x) for x in arr if x >= Kk]
+            Kkt, Kk, sel = select_old(fallback_keys(keys, T, side), T, kt, st, "new_fallback")
         out.append(finish(sel, side, Kkt, Kk))
     return out, res
 
