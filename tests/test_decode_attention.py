@@ -174,6 +174,43 @@ def test_cuda_many_tiles_per_warp(preset, D, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("preset,B,T,D,dtype", [("kivi-2", 32, 4096, 128, torch.float16),
+                                                ("kivi-4", 16, 700, 128, torch.bfloat16),
+                                                ("kcvt-4", 24, 333, 64, torch.float16),
+                                                ("kivi-2", 8, 1000, 256, torch.float32),
+                                                ("int4-per-token", 20, 150, 128, torch.float16)])
+def test_cuda_tail_heavy_matches_cpu(preset, B, T, D, dtype):
+    """B x H rows that fill the GPU, so each row's one or few CTAs run the whole full-precision
+    window on the generic path, several tokens per step with a partial last step; masked
+    window tokens whose stored K / V are NaN get weight 0 and must not reach the output."""
+    H = 8
+    cache = build_cache(preset, B, H, T, D, dtype, "cuda", steps=3)
+    kst, vst = cache.layers[0].key, cache.layers[0].value
+    ops = [t.clone() for t in (*kst.attention_operands(), *vst.attention_operands())]
+    Tt = T + 3
+    q = torch.randn(B, 4 * H, D, dtype=dtype, device="cuda")
+    mask = torch.ones(B, Tt, dtype=torch.bool, device="cuda")
+    hidden = [Tt - 1, Tt - 6, Tt - 7, Tt - 40]  # window tokens of row 1: masked, then poisoned
+    mask[1, hidden] = False
+    mask[2, : Tt - 2] = False  # row 2 sees only its last two tokens
+    for res, tq in ((ops[3], ops[0].shape[2]), (ops[7], ops[4].shape[2])):
+        for t in hidden:
+            if t >= tq:
+                res[1, :, t - tq] = float("nan")
+    args = (kst.spec.bits, kst.spec.per_channel, vst.spec.bits, vst.spec.per_channel, D ** -0.5)
+    for m in (None, mask):
+        if m is None:  # unmasked: the original window (no NaN)
+            run = [t.clone() for t in (*kst.attention_operands(), *vst.attention_operands())]
+        else:
+            run = ops
+        out = kvq.ops.decode_attention_gq(q, *run, m, *args)
+        ref = kvq.ops.decode_attention_gq(q.cpu(), *[t.cpu() for t in run], None if m is None else m.cpu(), *args)
+        assert torch.isfinite(out).all()
+        err = (out.cpu().float() - ref.float()).norm() / ref.float().norm()
+        assert err < 3e-3, f"relative error vs the CPU op {err:.2e}"
+
+
+@requires_cuda
 def test_cuda_graph_capture():
     cache = build_cache("kivi-2", 1, 8, 4096, 128, torch.float16, "cuda")
     q = torch.randn(1, 32, 128, dtype=torch.float16, device="cuda")

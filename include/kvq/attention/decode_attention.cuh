@@ -1284,14 +1284,27 @@ __device__ __forceinline__ void load_token(const QuantKV& s, int64_t b, int64_t 
   }
 }
 
+/// Tokens per step of the generic loop: its K / V registers (2 * C * D / 32 floats) stay at 32
+/// (D = 32 / 64: 8 tokens, 128: 4, 256: 2); more made the mma kernels (168 registers) spill.
+template <int D>
+KVQ_HOST_DEVICE constexpr int generic_chunk() {
+  return D <= 64 ? 8 : (512 / D > 1 ? 512 / D : 1);
+}
+
 /// \brief The generic path's loop, shared by the decode-attention kernels: continues the
-/// warp's running (m, l, acc) from `slot` over tokens [t_begin, t_end), one token per step, and
-/// writes it back.  `load(t, kx, vx)` fills this lane's D / 32 key and value elements (lane
-/// owns elements [lane * D / 32, (lane + 1) * D / 32)); `s_q` is q as floats [g][D].
-template <int D, int MAXG, bool AHEAD = true, typename Load>
+/// warp's running (m, l, acc) from `slot` over tokens [t_begin, t_end), C tokens per step,
+/// and writes it back.  `load(t, kx, vx)` fills this lane's D / 32 key and value elements
+/// (lane owns elements [lane * D / 32, (lane + 1) * D / 32)); `s_q` is q as floats [g][D].
+/// The loop is latency-bound (one dependent chain of loads, butterfly reductions and exp2
+/// per step): a step issues the C tokens' loads back to back, reduces the C scores of a head
+/// in interleaved butterflies and rescales (m, l, acc) once per head and step (one token per
+/// step, as before, took ~1 us per token and warp on the H200: 32 residual tokens per warp
+/// were a third of B = 32, L = 4k).  Masked tokens and the slots past t_end score -inf.
+template <int D, int MAXG, int C = generic_chunk<D>(), typename Load>
 __device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t mask_sb, float scale, int64_t b,
                                                   int g, int64_t t_begin, int64_t t_end, float* slot,
                                                   const float* s_q, Load&& load) {
+  static_assert(C >= 1, "chunk");
   constexpr int EPL = D / 32;
   const int lane = threadIdx.x % 32;
   float m[MAXG], l[MAXG], acc[MAXG][EPL];
@@ -1305,37 +1318,62 @@ __device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t m
   }
   __syncwarp();
   const float sl = scale * kLog2e;
-  // AHEAD: token t + 1's loads are in flight while token t is computed (the loop is
-  // latency-bound; a masked token is loaded but not used).  Off where the extra registers
-  // make the kernel spill (GEAR)
-  float kx[EPL], vx[EPL];
-  if (AHEAD && t_begin < t_end) load(t_begin, kx, vx);
-  for (int64_t t = t_begin; t < t_end; ++t) {
-    float kn[EPL], vn[EPL];
-    const bool more = AHEAD && t + 1 < t_end;
-    if (more) load(t + 1, kn, vn);
-    if (!AHEAD) load(t, kx, vx);
-    const bool skip = mask != nullptr && mask[b * mask_sb + t] == 0;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += C) {
+    float kx[C][EPL], vx[C][EPL];
+    bool live[C];
+#pragma unroll
+    for (int c = 0; c < C; ++c) {
+      const int64_t t = t0 + c;
+      live[c] = t < t_end;
+      if (live[c]) {
+        load(t, kx[c], vx[c]);
+        if (mask != nullptr && mask[b * mask_sb + t] == 0) {  // weight 0: not even a NaN of it
+          live[c] = false;
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) vx[c][e] = 0.f;
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) kx[c][e] = 0.f, vx[c][e] = 0.f;
+      }
+    }
 #pragma unroll
     for (int j = 0; j < MAXG; ++j) {
-      if (skip) break;
       if (j >= g) break;
-      float s = 0.f;
+      float qj[EPL], s[C];
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) s += s_q[j * D + lane * EPL + e] * kx[e];
+      for (int e = 0; e < EPL; ++e) qj[e] = s_q[j * D + lane * EPL + e];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      s *= sl;
-      const float mn = fmaxf(m[j], s);
-      const float al = exp2f(m[j] - mn), pe = exp2f(s - mn);
+      for (int c = 0; c < C; ++c) {
+        s[c] = 0.f;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) s[c] += qj[e] * kx[c][e];
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+        for (int c = 0; c < C; ++c) s[c] += __shfl_xor_sync(0xffffffffu, s[c], o);
+      }
+      float mn = m[j];
+#pragma unroll
+      for (int c = 0; c < C; ++c) {
+        s[c] = live[c] ? s[c] * sl : -INFINITY;
+        mn = fmaxf(mn, s[c]);
+      }
+      if (mn == -INFINITY) continue;  // warp-uniform: nothing live yet
+      const float al = exp2f(m[j] - mn);
       m[j] = mn;
-      l[j] = l[j] * al + pe;
+      float ps = 0.f;
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) acc[j][e] = acc[j][e] * al + pe * vx[e];
-    }
-    if (more) {
+      for (int e = 0; e < EPL; ++e) acc[j][e] *= al;
 #pragma unroll
-      for (int e = 0; e < EPL; ++e) kx[e] = kn[e], vx[e] = vn[e];
+      for (int c = 0; c < C; ++c) {
+        const float pe = exp2f(s[c] - mn);
+        ps += pe;
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) acc[j][e] += pe * vx[c][e];
+      }
+      l[j] = l[j] * al + ps;
     }
   }
 #pragma unroll
@@ -1349,11 +1387,11 @@ __device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t m
   __syncwarp();
 }
 
-template <typename DType, int D, int MAXG, bool AHEAD = true>
+template <typename DType, int D, int MAXG, int C = generic_chunk<D>()>
 __device__ void warp_generic(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
                              int64_t t_end, float* slot, const float* s_q) {
   const int lane = threadIdx.x % 32;
-  warp_generic_loop<D, MAXG, AHEAD>(p.mask, p.mask_sb, p.scale, b, g, t_begin, t_end, slot, s_q,
+  warp_generic_loop<D, MAXG, C>(p.mask, p.mask_sb, p.scale, b, g, t_begin, t_end, slot, s_q,
                              [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
                                load_token<DType, D>(p.k, b, h, t, lane, kx);
                                load_token<DType, D>(p.v, b, h, t, lane, vx);
@@ -1637,8 +1675,9 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
     for (int64_t k = plan.tail_first(split, warp); k >= 0 && k < nchunks; k += plan.tail_stride(kWarps)) {
       const int64_t a = plan.t_main + k * plan.tail_chunk;
       const int64_t e = a + plan.tail_chunk < p.T ? a + plan.tail_chunk : p.T;
-      // the mma instantiations only take g <= 8
-      warp_generic<DType, D, MMA ? 8 : kMaxGroup, !GEAR>(p, b, h, g, a, e, slot, s_q);
+      // the mma instantiations only take g <= 8; the generic ones (16 heads) step half as many
+      // tokens, GEAR kernels 1 (more made them spill)
+      warp_generic<DType, D, MMA ? 8 : kMaxGroup, GEAR ? 1 : (MMA ? generic_chunk<D>() : (generic_chunk<D>() + 1) / 2)>(p, b, h, g, a, e, slot, s_q);
     }
   }
   __syncthreads();

@@ -58,6 +58,7 @@ namespace attention {
 KVQ_HOST_DEVICE constexpr int hqmq_warps(int64_t D) { return D <= 128 ? 12 : 4; }
 constexpr int kHqmqStages = 2;       // cp.async ring depth per warp
 constexpr int kHqmqSmemLimit = 220 * 1024;  // dynamic, below the 227 KB opt-in maximum
+constexpr int kHqmqTailChunk = 2;     // generic-loop tokens per step in the tail (4 made D = 128 spill)
 
 /// Max words per token row at head dim D (F <= 16 + 8 bits per chunk).
 template <int D>
@@ -895,9 +896,9 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
         hqmq_load_token<D>(p, p.v, b, h, t, lane, vx);
       };
       // heads in passes of <= 8 (independent softmax states; register arrays of 16 heads
-      // spill), each pass decoding the chunk's tokens again
+      // spill), each pass decoding the chunk's tokens again; kHqmqTailChunk tokens per step
       for (int j0 = 0; j0 < g; j0 += 8)
-        warp_generic_loop<D, 8>(p.mask, p.mask_sb, p.scale, b, g - j0 < 8 ? g - j0 : 8, a, e,
+        warp_generic_loop<D, 8, kHqmqTailChunk>(p.mask, p.mask_sb, p.scale, b, g - j0 < 8 ? g - j0 : 8, a, e,
                                 slot + j0 * (D + 2), s_q + j0 * D, load);
     }
   }
