@@ -77,7 +77,11 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
                                             kst.spec.per_channel, vst.spec.bits,
                                             vst.spec.per_channel, float(scale))
 
-        out = _split_heads(run, qc, H, g, _MAX_GROUP)
+        # on CUDA the tensor-core kernels take <= 8 query heads per KV head; more in one call
+        # run the CUDA-core kernel, ~25x slower (H200, g = 16, B = 8, L = 32k, kivi-2:
+        # 6206 us), so such calls go in passes of 8 heads, each reading the layer once
+        mg = _MAX_GROUP_TC if qc.is_cuda and D in (64, 128, 256) and kst.spec.bits == vst.spec.bits else _MAX_GROUP
+        out = _split_heads(run, qc, H, g, mg)
     elif path == "gear":
         kc, ks, kz, kr, kg = kst.attention_operands()
         vc, vs, vz, vr, vg = vst.attention_operands()
