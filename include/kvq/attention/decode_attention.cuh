@@ -1295,11 +1295,12 @@ KVQ_HOST_DEVICE constexpr int generic_chunk() {
 /// warp's running (m, l, acc) from `slot` over tokens [t_begin, t_end), C tokens per step,
 /// and writes it back.  `load(t, kx, vx)` fills this lane's D / 32 key and value elements
 /// (lane owns elements [lane * D / 32, (lane + 1) * D / 32)); `s_q` is q as floats [g][D].
-/// The loop is latency-bound (one dependent chain of loads, butterfly reductions and exp2
-/// per step): a step issues the C tokens' loads back to back, reduces the C scores of a head
-/// in interleaved butterflies and rescales (m, l, acc) once per head and step (one token per
-/// step, as before, took ~1 us per token and warp on the H200: 32 residual tokens per warp
-/// were a third of B = 32, L = 4k).  Masked tokens and the slots past t_end score -inf.
+/// The loop is latency-bound (a dependent chain of loads, butterfly reductions and exp2 per
+/// step): a step issues its C tokens' loads back to back, reduces the C scores of a head in
+/// interleaved butterflies and rescales (m, l, acc) once per head and step.  Masked tokens and
+/// the slots past t_end score -inf.  (H200: the mma kernels' residual windows measured within
+/// 2 % of the former one-token loop -- their tails were not the bottleneck; the CUDA-core-only
+/// kernels stream every token through here.)
 template <int D, int MAXG, int C = generic_chunk<D>(), typename Load>
 __device__ __forceinline__ void warp_generic_loop(const uint8_t* mask, int64_t mask_sb, float scale, int64_t b,
                                                   int g, int64_t t_begin, int64_t t_end, float* slot,
@@ -1677,7 +1678,8 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
       const int64_t e = a + plan.tail_chunk < p.T ? a + plan.tail_chunk : p.T;
       // the mma instantiations only take g <= 8; the generic ones (16 heads) step half as many
       // tokens, GEAR kernels 1 (more made them spill)
-      warp_generic<DType, D, MMA ? 8 : kMaxGroup, GEAR ? 1 : (MMA ? generic_chunk<D>() : (generic_chunk<D>() + 1) / 2)>(p, b, h, g, a, e, slot, s_q);
+      constexpr int kChunk = GEAR ? 1 : (MMA ? generic_chunk<D>() : (generic_chunk<D>() + 1) / 2);
+      warp_generic<DType, D, MMA ? 8 : kMaxGroup, kChunk>(p, b, h, g, a, e, slot, s_q);
     }
   }
   __syncthreads();
