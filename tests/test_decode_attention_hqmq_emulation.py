@@ -41,6 +41,42 @@ def field(row, chunk, F):
     return (v>>o) & ((1<<F)-1)
 def hb(x): return float(np.array([x],np.uint16).view(np.float16)[0])
 
+def key_records_and_softmax(sc, kptr, krec, t0, BH, n, g, qf, sl, mA, mB, lA, lB, acc, MV):
+    """Both tensor-core paths, per tile: add q . (exact chunk) of the tile's Med3x key records
+    to the lane scores, scale by sl, then the per-lane online softmax over the 8 lanes that
+    share c (sc becomes P, the accumulators are rescaled)."""
+    ra, re = (kptr[(t0 // 32) * BH + n], kptr[(t0 // 32) * BH + n + 1]) if len(kptr) else (0, 0)
+    buf = np.zeros((32, 8))
+    for r in range(ra, re):
+        rec = krec[r]; tl = rec[0] - t0; cc = rec[1] & 0xff
+        if not (0 <= tl < 32) or (int(rec[1]) & 0xffffffff) >> 8 != n: continue
+        v = [hb(int(rec[2]) & 0xffff), hb((int(rec[2]) >> 16) & 0xffff), hb(int(rec[3]) & 0xffff), hb((int(rec[3]) >> 16) & 0xffff)]
+        for j in range(g): buf[tl, j] += np.dot(qf[j, 4 * cc:4 * cc + 4], v)
+    if re > ra:
+        for l in range(32):
+            i, c = l >> 2, l & 3
+            for mt in range(2):
+                for e in range(4): sc[l][mt][e] += buf[16 * mt + i + 8 * (e >> 1), 2 * c + (e & 1)]
+    for l in range(32):
+        for mt in range(2):
+            for e in range(4): sc[l][mt][e] *= sl
+    for c in range(4):
+        lanes = [4 * i + c for i in range(8)]
+        xA = max(max(sc[l][mt][e] for mt in range(2) for e in (0, 2)) for l in lanes)
+        xB = max(max(sc[l][mt][e] for mt in range(2) for e in (1, 3)) for l in lanes)
+        for l in lanes:
+            nA = max(mA[l], xA); nB = max(mB[l], xB)
+            alA = 1. if nA == -np.inf else 2 ** (mA[l] - nA); alB = 1. if nB == -np.inf else 2 ** (mB[l] - nB)
+            mA[l], mB[l] = nA, nB; uA = 0 if nA == -np.inf else nA; uB = 0 if nB == -np.inf else nB
+            ps = [0., 0.]
+            for mt in range(2):
+                for e in range(4):
+                    sc[l][mt][e] = 2 ** (sc[l][mt][e] - (uB if e & 1 else uA)); ps[e & 1] += sc[l][mt][e]
+            lA[l] = lA[l] * alA + ps[0]; lB[l] = lB[l] * alB + ps[1]
+            for mv in range(MV):
+                acc[l][mv][0] *= alA; acc[l][mv][1] *= alB; acc[l][mv][2] *= alA; acc[l][mv][3] *= alB
+
+
 def emulate(q, kops, vops, RB, b, h, B, H, g, D, scale, T):
     out=np.zeros((g,D))
     kc,ks,ksec,krec,kptr=[t.numpy() for t in kops]; vc,vs,vsec,vrec,vptr=[t.numpy() for t in vops]
@@ -80,38 +116,8 @@ def emulate(q, kops, vops, RB, b, h, B, H, g, D, scale, T):
                 for hh in range(2):
                     stp=np.float32(ks[b,h,t0+16*mt+i+8*hh])*np.float32(1/maxq)
                     sc[l][mt][2*hh]*=stp*qmv[2*c]; sc[l][mt][2*hh+1]*=stp*qmv[2*c+1]
-        # key records
-        ra,re=(kptr[(t0//32)*BH+n],kptr[(t0//32)*BH+n+1]) if len(kptr) else (0,0)
-        buf=np.zeros((32,8))
-        for r in range(ra,re):
-            rec=krec[r]; tl=rec[0]-t0; cc=rec[1]&0xff
-            if not(0<=tl<32) or (int(rec[1])&0xffffffff)>>8!=n: continue
-            v=[hb(int(rec[2])&0xffff),hb((int(rec[2])>>16)&0xffff),hb(int(rec[3])&0xffff),hb((int(rec[3])>>16)&0xffff)]
-            for j in range(g): buf[tl,j]+=np.dot(qf[j,4*cc:4*cc+4],v)
-        if re>ra:
-            for l in range(32):
-                i,c=l>>2,l&3
-                for mt in range(2):
-                    for e in range(4): sc[l][mt][e]+=buf[16*mt+i+8*(e>>1),2*c+(e&1)]
-        for l in range(32):
-            for mt in range(2):
-                for e in range(4): sc[l][mt][e]*=sl
-        # softmax: reduce over the 8 lanes sharing c
-        for c in range(4):
-            lanes=[4*i+c for i in range(8)]
-            xA=max(max(sc[l][mt][e] for mt in range(2) for e in (0,2)) for l in lanes)
-            xB=max(max(sc[l][mt][e] for mt in range(2) for e in (1,3)) for l in lanes)
-            for l in lanes:
-                nA=max(mA[l],xA); nB=max(mB[l],xB)
-                alA=1. if nA==-np.inf else 2**(mA[l]-nA); alB=1. if nB==-np.inf else 2**(mB[l]-nB)
-                mA[l],mB[l]=nA,nB; uA=0 if nA==-np.inf else nA; uB=0 if nB==-np.inf else nB
-                ps=[0.,0.]
-                for mt in range(2):
-                    for e in range(4):
-                        sc[l][mt][e]=2**(sc[l][mt][e]-(uB if e&1 else uA)); ps[e&1]+=sc[l][mt][e]
-                lA[l]=lA[l]*alA+ps[0]; lB[l]=lB[l]*alB+ps[1]
-                for mv in range(MV):
-                    acc[l][mv][0]*=alA; acc[l][mv][1]*=alB; acc[l][mv][2]*=alA; acc[l][mv][3]*=alB
+        # key records, scale, online softmax
+        key_records_and_softmax(sc, kptr, krec, t0, BH, n, g, qf, sl, mA, mB, lA, lB, acc, MV)
         # P^T fragments (movmatrix): lane (i,c) gets P[tok 16mt+2c(+1)][head i] and +8
         P=np.zeros((32,8))
         for l in range(32):
@@ -230,36 +236,7 @@ def emulate_v2(q, kops, vops, b, h, B, H, g, D, scale, T):
                 for hh in range(2):
                     stp = np.float32(ks[b, h, t0 + 16 * mt + i + 8 * hh])
                     sc[l][mt][2 * hh] *= stp * (qmv[2 * c] * kf); sc[l][mt][2 * hh + 1] *= stp * (qmv[2 * c + 1] * kf)
-        ra, re = (kptr[(t0 // 32) * BH + n], kptr[(t0 // 32) * BH + n + 1]) if len(kptr) else (0, 0)
-        buf = np.zeros((32, 8))
-        for r in range(ra, re):
-            rec = krec[r]; tl = rec[0] - t0; cc = rec[1] & 0xff
-            if not (0 <= tl < 32) or (int(rec[1]) & 0xffffffff) >> 8 != n: continue
-            v = [hb(int(rec[2]) & 0xffff), hb((int(rec[2]) >> 16) & 0xffff), hb(int(rec[3]) & 0xffff), hb((int(rec[3]) >> 16) & 0xffff)]
-            for j in range(g): buf[tl, j] += np.dot(qf[j, 4 * cc:4 * cc + 4], v)
-        if re > ra:
-            for l in range(32):
-                i, c = l >> 2, l & 3
-                for mt in range(2):
-                    for e in range(4): sc[l][mt][e] += buf[16 * mt + i + 8 * (e >> 1), 2 * c + (e & 1)]
-        for l in range(32):
-            for mt in range(2):
-                for e in range(4): sc[l][mt][e] *= sl
-        for c in range(4):
-            lanes = [4 * i + c for i in range(8)]
-            xA = max(max(sc[l][mt][e] for mt in range(2) for e in (0, 2)) for l in lanes)
-            xB = max(max(sc[l][mt][e] for mt in range(2) for e in (1, 3)) for l in lanes)
-            for l in lanes:
-                nA = max(mA[l], xA); nB = max(mB[l], xB)
-                alA = 1. if nA == -np.inf else 2 ** (mA[l] - nA); alB = 1. if nB == -np.inf else 2 ** (mB[l] - nB)
-                mA[l], mB[l] = nA, nB; uA = 0 if nA == -np.inf else nA; uB = 0 if nB == -np.inf else nB
-                ps = [0., 0.]
-                for mt in range(2):
-                    for e in range(4):
-                        sc[l][mt][e] = 2 ** (sc[l][mt][e] - (uB if e & 1 else uA)); ps[e & 1] += sc[l][mt][e]
-                lA[l] = lA[l] * alA + ps[0]; lB[l] = lB[l] * alB + ps[1]
-                for mv in range(MV):
-                    acc[l][mv][0] *= alA; acc[l][mv][1] *= alB; acc[l][mv][2] *= alA; acc[l][mv][3] *= alB
+        key_records_and_softmax(sc, kptr, krec, t0, BH, n, g, qf, sl, mA, mB, lA, lB, acc, MV)
         P = np.zeros((32, 8)); pfull = np.zeros((32, 8))
         for l in range(32):
             i, c = l >> 2, l & 3
