@@ -4,10 +4,7 @@
 #include "kvq/attention/decode_attention_hqmq.cuh"
 #include "kvq/cuda_api.h"
 #include "kvq/quant/group_quant.cuh"
-
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
+#include "env_switch.h"
 
 namespace kvq {
 namespace attention {
@@ -38,29 +35,16 @@ namespace attention {
 namespace {
 /// v2 layout switch for the F = 16 format (hqmq_warp_mma16): 1 = on (default), 0 = the v1
 /// kernel (FMT 1).  Initial value: KVQ_HQMQ_DECODE_V1=1 turns it off.
-std::atomic<int> g_hqmq_v2{-1};
-int hqmq_v2_mode() {
-  int m = g_hqmq_v2.load();
-  if (m >= 0) return m;
-  const char* e = std::getenv("KVQ_HQMQ_DECODE_V1");
-  const bool v1 = e != nullptr && (!std::strcmp(e, "1") || !std::strcmp(e, "true") || !std::strcmp(e, "on"));
-  int expected = -1;
-  g_hqmq_v2.compare_exchange_strong(expected, v1 ? 0 : 1);
-  return g_hqmq_v2.load();
-}
+EnvSwitch g_hqmq_v2{"KVQ_HQMQ_DECODE_V1", 0, 1};
 /// Field format of the launch: hqmq_fmt, with F = 16 / b_r = 4 at D = 64 / 128 moved to the v2
 /// layout (3) when the switch is on.
 int hqmq_launch_fmt(const HqmqAttnParams& p) {
   const int fmt = hqmq_fmt(p);
-  return fmt == 1 && hqmq_v2_ok(p) && hqmq_v2_mode() == 1 ? 3 : fmt;
+  return fmt == 1 && hqmq_v2_ok(p) && g_hqmq_v2.get() == 1 ? 3 : fmt;
 }
 }  // namespace
 
-int decode_attention_hqmq_v2(int mode) {
-  const int prev = hqmq_v2_mode();
-  if (mode >= 0) g_hqmq_v2.store(mode ? 1 : 0);
-  return prev;
-}
+int decode_attention_hqmq_v2(int mode) { return g_hqmq_v2.exchange(mode); }
 
 /// Resident CTAs per SM of one instantiation at `smem` bytes (0 on error); cached per size.
 template <typename DType, int D, int FMT>

@@ -9,34 +9,16 @@
 #include "kvq/attention/decode_attention.cuh"
 #include "kvq/cuda_api.h"
 #include "kvq/quant/group_quant.cuh"
+#include "env_switch.h"
 
 namespace kvq {
 namespace attention {
 
 // ---- the fused split combine: its switch and the per-device split tickets ----
 namespace {
-// A 0/1 switch read once from the environment (default 0; "1", "true", "on" give 1), then
-// settable at run time.  The fused combine is opt-in: on the H200 it measured no faster than the
+// The fused combine is opt-in (default 0): on the H200 it measured no faster than the
 // two-launch path (bench/NOTES.md, decode v7), and a CUDA graph that captured it must not be
 // replayed on two streams at once (its tickets are fixed at capture).
-struct EnvSwitch {
-  const char* name;
-  std::atomic<int> mode{-1};  // -1: not read yet
-  int get() {
-    const int m = mode.load();
-    if (m >= 0) return m;
-    const char* e = std::getenv(name);
-    const bool on = e != nullptr && (!std::strcmp(e, "1") || !std::strcmp(e, "true") || !std::strcmp(e, "on"));
-    int expected = -1;
-    mode.compare_exchange_strong(expected, on ? 1 : 0);
-    return mode.load();
-  }
-  int exchange(int m) {  // m < 0: query
-    const int prev = get();
-    if (m >= 0) mode.store(m ? 1 : 0);
-    return prev;
-  }
-};
 EnvSwitch g_fused_combine{"KVQ_DECODE_FUSED_COMBINE"};
 
 // One ticket buffer per device, handed out in consecutive slices (round robin), so that
