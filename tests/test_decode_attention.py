@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
-from conftest import CUDA, requires_cuda
+from conftest import CUDA, c_switch, requires_cuda, restoring
 from kvquant_ext.attention import reference_decode_attention
 from test_group_quant import make_kv
 
@@ -224,18 +224,8 @@ def test_cuda_graph_capture():
 
 
 # ---- split combine: fused into the split kernel (the last CTA of a row merges) vs two launches ----
-def _combine_mode(mode=-1):
-    """The CUDA split-combine mode: 1 fused, 0 two launches, -1 leave; returns the previous
-    mode (-1 on a build without CUDA)."""
-    from kvquant_ext import _C
-    return _C._decode_fused_combine(mode)
-
-
-@pytest.fixture
-def restore_combine_mode():
-    prev = _combine_mode()
-    yield
-    _combine_mode(prev)
+_combine_mode = c_switch("_decode_fused_combine")  # 1 fused, 0 two launches
+restore_combine_mode = restoring(_combine_mode, "restore_combine_mode")
 
 
 def test_combine_mode_switch(restore_combine_mode):

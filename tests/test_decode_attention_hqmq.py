@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
-from conftest import CUDA, requires_cuda
+from conftest import CUDA, c_switch, requires_cuda, restoring
 from kvquant_ext.attention import reference_decode_attention
 
 PRESETS = ["hqmq-3.79", "hqmq-5"]
@@ -275,17 +275,8 @@ def test_cuda_generic_paths_match_cpu(preset):
 
 
 # ---- v2 layout of the F = 16 (hqmq-3.79) tensor-core path at D = 64 / 128 (hqmq_warp_mma16) ----
-def _hqmq_v2(mode=-1):
-    """The layout switch: 1 = v2 (default), 0 = v1, -1 leave; returns the previous mode."""
-    from kvquant_ext import _C
-    return _C._hqmq_decode_v2(mode)
-
-
-@pytest.fixture
-def restore_hqmq_v2():
-    prev = _hqmq_v2()
-    yield
-    _hqmq_v2(prev)
+_hqmq_v2 = c_switch("_hqmq_decode_v2")  # 1 = v2 (default), 0 = v1
+restore_hqmq_v2 = restoring(_hqmq_v2, "restore_hqmq_v2")
 
 
 F16_MED3 = kvq.HQMQConfig(secondary_size=96, radius_bits=4, outlier_factor=3.0)  # F = 16 with records
