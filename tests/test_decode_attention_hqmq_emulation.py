@@ -77,6 +77,20 @@ def key_records_and_softmax(sc, kptr, krec, t0, BH, n, g, qf, sl, mA, mB, lA, lB
                 acc[l][mv][0] *= alA; acc[l][mv][1] *= alB; acc[l][mv][2] *= alA; acc[l][mv][3] *= alB
 
 
+def write_out(out, acc, lA, lB, g, MV, channel):
+    """Both paths, end of the warp: l summed over the 8 lanes sharing c, out[head, channel(i,
+    mv, e)] = acc / l for lane (i, c), m-tile mv, element e (head 2c + (e & 1))."""
+    for c in range(4):
+        LA = sum(lA[4 * i + c] for i in range(8)); LB = sum(lB[4 * i + c] for i in range(8))
+        for i in range(8):
+            l = 4 * i + c
+            for mv in range(MV):
+                for e in range(4):
+                    head = 2 * c + (e & 1)
+                    if head >= g: continue
+                    out[head, channel(i, mv, e)] = acc[l][mv][e] / (LA if e % 2 == 0 else LB)
+
+
 def emulate(q, kops, vops, RB, b, h, B, H, g, D, scale, T):
     out=np.zeros((g,D))
     kc,ks,ksec,krec,kptr=[t.numpy() for t in kops]; vc,vs,vsec,vrec,vptr=[t.numpy() for t in vops]
@@ -163,16 +177,7 @@ def emulate(q, kops, vops, RB, b, h, B, H, g, D, scale, T):
                 mv=cc>>2; vlo=v[i&1]; vhi=v[(i&1)+2]; pA=pfull[tl,2*c]; pB=pfull[tl,2*c+1]
                 acc[l][mv][0]+=pA*vlo; acc[l][mv][1]+=pB*vlo; acc[l][mv][2]+=pA*vhi; acc[l][mv][3]+=pB*vhi
     # reduce l over lanes sharing c, write output
-    for c in range(4):
-        LA=sum(lA[4*i+c] for i in range(8)); LB=sum(lB[4*i+c] for i in range(8))
-        for i in range(8):
-            l=4*i+c
-            for mv in range(MV):
-                for e in range(4):
-                    head=2*c+(e&1)
-                    if head>=g: continue
-                    ch=4*(4*mv+(i>>1))+(i&1)+2*(e>>1)
-                    out[head,ch]=acc[l][mv][e]/(LA if e%2==0 else LB)
+    write_out(out, acc, lA, lB, g, MV, lambda i, mv, e: 4*(4*mv+(i>>1))+(i&1)+2*(e>>1))
     return out
 
 
@@ -277,16 +282,7 @@ def emulate_v2(q, kops, vops, b, h, B, H, g, D, scale, T):
                 for mv in (2 * (cc % VP), 2 * (cc % VP) + 1):
                     vr = v[2] if mv & 1 else v[0]; vr8 = v[3] if mv & 1 else v[1]
                     acc[l][mv][0] += pA * vr; acc[l][mv][1] += pB * vr; acc[l][mv][2] += pA * vr8; acc[l][mv][3] += pB * vr8
-    for c in range(4):
-        LA = sum(lA[4 * i + c] for i in range(8)); LB = sum(lB[4 * i + c] for i in range(8))
-        for i in range(8):
-            l = 4 * i + c
-            for mv in range(MV):
-                for e in range(4):
-                    head = 2 * c + (e & 1)
-                    if head >= g: continue
-                    ch = 4 * (VP * i + (mv >> 1)) + 2 * (mv & 1) + (e >> 1)
-                    out[head, ch] = acc[l][mv][e] / (LA if e % 2 == 0 else LB)
+    write_out(out, acc, lA, lB, g, MV, lambda i, mv, e: 4 * (VP * i + (mv >> 1)) + 2 * (mv & 1) + (e >> 1))
     return out
 
 
