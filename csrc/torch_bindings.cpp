@@ -5,52 +5,7 @@
 
 #include "ops.h"
 
-#ifdef KVQ_WITH_CUDA
-namespace kvq {
-namespace attention {
-// csrc/cuda/decode_attention_kernels.cu (declared in kvq/cuda_api.h)
-int decode_attention_fused_combine(int mode);
-// csrc/cuda/decode_attention_hqmq_kernels.cu
-int decode_attention_hqmq_v2(int mode);
-}  // namespace attention
-}  // namespace kvq
-#endif
-
-// A 0/1 switch of the CUDA decode-attention entry points: mode 0 / 1 sets it, -1 leaves it;
-// returns the previous mode (-1 on a build without CUDA).  For tests and A/B benchmarks.
-static PyObject* kvq_switch(PyObject* args, int (*fn)(int)) {
-  int mode = -1;
-  if (!PyArg_ParseTuple(args, "|i", &mode)) return nullptr;
-  return PyLong_FromLong(fn != nullptr ? fn(mode) : -1);
-}
-#ifdef KVQ_WITH_CUDA
-#define KVQ_CUDA_SWITCH(f) &kvq::attention::f
-#else
-#define KVQ_CUDA_SWITCH(f) nullptr
-#endif
-
-// kvquant_ext._C._decode_fused_combine(mode=-1) -> int: the split combine of the CUDA
-// decode-attention kernels, 1 = fused into the split kernel, 0 = a second (combine) kernel.
-// Initial mode from KVQ_DECODE_FUSED_COMBINE (default 0: two launches); launches captured in a
-// CUDA graph keep the mode they were captured with.
-static PyObject* kvq_decode_fused_combine(PyObject*, PyObject* args) {
-  return kvq_switch(args, KVQ_CUDA_SWITCH(decode_attention_fused_combine));
-}
-
-// kvquant_ext._C._hqmq_decode_v2(mode=-1) -> int: layout of the HQMQ decode-attention
-// tensor-core path for the F = 16 format (hqmq-3.79) at D = 64 / 128: 1 = v2 (default), 0 = v1.
-// Initial mode: KVQ_HQMQ_DECODE_V1=1 selects v1.
-static PyObject* kvq_hqmq_decode_v2(PyObject*, PyObject* args) {
-  return kvq_switch(args, KVQ_CUDA_SWITCH(decode_attention_hqmq_v2));
-}
-#undef KVQ_CUDA_SWITCH
-
-static PyMethodDef kMethods[] = {
-    {"_hqmq_decode_v2", kvq_hqmq_decode_v2, METH_VARARGS,
-     "HQMQ decode-attention layout for hqmq-3.79 at D = 64/128: 1 v2, 0 v1, -1 query; returns the previous mode."},
-    {"_decode_fused_combine", kvq_decode_fused_combine, METH_VARARGS,
-     "Decode-attention split combine: 1 fused, 0 two launches, -1 query; returns the previous mode."},
-    {nullptr, nullptr, 0, nullptr}};
+static PyMethodDef kMethods[] = {{nullptr, nullptr, 0, nullptr}};
 
 // `import kvquant_ext._C` loads this library, which registers the ops below.
 extern "C" PyObject* PyInit__C(void) {

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
-from conftest import CUDA, c_switch, requires_cuda, restoring
+from conftest import CUDA, requires_cuda
 from kvquant_ext.attention import reference_decode_attention
 from test_group_quant import make_kv
 
@@ -223,22 +223,7 @@ def test_cuda_graph_capture():
     assert torch.equal(out, out2)
 
 
-# ---- split combine: fused into the split kernel (the last CTA of a row merges) vs two launches ----
-_combine_mode = c_switch("_decode_fused_combine")  # 1 fused, 0 two launches
-restore_combine_mode = restoring(_combine_mode, "restore_combine_mode")
-
-
-def test_combine_mode_switch(restore_combine_mode):
-    prev = _combine_mode()
-    if not kvq.built_with_cuda:
-        assert prev == -1
-        return
-    assert prev in (0, 1)
-    assert _combine_mode(0) == prev
-    assert _combine_mode(1) == 0
-    assert _combine_mode() == 1
-
-
+# ---- the split combine (split kernel + combine kernel) over many split plans ----
 def _cpu_op(cache, q, mask, scale):
     kst, vst = cache.layers[0].key, cache.layers[0].value
     cpu_ops = [t.cpu() for t in (*kst.attention_operands(), *vst.attention_operands())]
@@ -250,7 +235,7 @@ def _cpu_op(cache, q, mask, scale):
 # (mma + tail-only CTAs; many splits), the Llama-3-8B bench shape, batch > 1 with a mask and a
 # fully masked row, g = 16 (generic kernel, 16 heads per CTA), 4-bit and per-token keys,
 # GEAR and HQMQ (their own kernels, same combine).
-FUSED_CASES = [
+SPLIT_CASES = [
     ("kivi-2", 1, 8, 32, 40, 128, False),
     ("kivi-2", 1, 8, 32, 4096, 128, False),
     ("kivi-2", 1, 2, 8, 20000, 128, False),
@@ -264,11 +249,10 @@ FUSED_CASES = [
 
 
 @requires_cuda
-@pytest.mark.parametrize("preset,B,H,Hq,T,D,masked", FUSED_CASES)
-def test_cuda_fused_combine_matches_two_launch(restore_combine_mode, preset, B, H, Hq, T, D, masked):
-    """The fused combine gives the bits of the two-launch path (same partials, same merge
-    arithmetic in split order), is deterministic (arrival order of the CTAs does not matter)
-    and leaves its tickets zeroed (repeated calls agree); and it matches the CPU op."""
+@pytest.mark.parametrize("preset,B,H,Hq,T,D,masked", SPLIT_CASES)
+def test_cuda_split_combine_matches_cpu(preset, B, H, Hq, T, D, masked):
+    """Every split plan (one split, many, tail-only CTAs) merges to the CPU op's result, and
+    repeated calls give the same bits (the merge runs in split order)."""
     cache = build_cache(preset, B, H, T, D, torch.float16, "cuda", steps=3)
     q = torch.randn(B, Hq, D, dtype=torch.float16, device="cuda")
     mask = None
@@ -276,10 +260,8 @@ def test_cuda_fused_combine_matches_two_launch(restore_combine_mode, preset, B, 
         mask = torch.ones(B, T + 3, dtype=torch.bool, device="cuda")
         mask[1, :T // 3] = False
         mask[B - 1] = False  # a fully masked row: zeros
-    _combine_mode(0)
     two = kvq.decode_attention(q, cache, 0, attn_mask=mask)
-    _combine_mode(1)
-    outs = [kvq.decode_attention(q, cache, 0, attn_mask=mask) for _ in range(3)]
+    outs = [kvq.decode_attention(q, cache, 0, attn_mask=mask) for _ in range(2)]
     torch.cuda.synchronize()
     for o in outs:
         assert torch.equal(o, two)
@@ -294,12 +276,9 @@ def test_cuda_fused_combine_matches_two_launch(restore_combine_mode, preset, B, 
 
 
 @requires_cuda
-@pytest.mark.parametrize("mode", [1, 0])
-def test_cuda_fused_combine_graph_replay(restore_combine_mode, mode):
+def test_cuda_graph_replay_two_calls():
     """Two calls (long B = 1 and short) captured in one CUDA graph, replayed twice in a row and
-    again after new q values were copied in: each replay equals eager calls (the fused tickets
-    are reset by every launch; each call has its own tickets)."""
-    _combine_mode(mode)
+    again after new q values were copied in: each replay equals eager calls."""
     long_c = build_cache("kivi-2", 1, 8, 4096, 128, torch.float16, "cuda", steps=1)
     short_c = build_cache("kivi-4", 2, 4, 300, 128, torch.float16, "cuda", steps=1)
     q1 = torch.randn(1, 32, 128, dtype=torch.float16, device="cuda")
@@ -311,7 +290,7 @@ def test_cuda_fused_combine_graph_replay(restore_combine_mode, mode):
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        run()  # warm-up (and the ticket buffer) outside the capture
+        run()  # warm-up outside the capture
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
             o1, o2 = run()

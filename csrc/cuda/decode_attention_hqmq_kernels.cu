@@ -1,50 +1,37 @@
 // HQMQ decode-attention entry points: shared-memory plan, split plan (sized by the occupancy of
-// the instantiation that will run), launch of HqmqDecodeAttentionKernel (fused combine) or of it
-// and the shared split-combine kernel.  Kernels: include/kvq/attention/decode_attention_hqmq.cuh.
+// the instantiation that will run), launch of HqmqDecodeAttentionKernel and the shared
+// split-combine kernel.  Kernels: include/kvq/attention/decode_attention_hqmq.cuh.
 #include "kvq/attention/decode_attention_hqmq.cuh"
 #include "kvq/cuda_api.h"
 #include "kvq/quant/group_quant.cuh"
-#include "env_switch.h"
 
 namespace kvq {
 namespace attention {
 
-// EXPR(D, FMT) for head dim p.D and field format fmt (HqmqFmt: 1 = hqmq-3.79, 2 = hqmq-5,
-// 0 = runtime field widths, 3 = hqmq-3.79 on the v2 layout, D = 64 / 128 only).
-#define KVQ_HQMQ_FMT(EXPR, D)                     \
+// EXPR(D, FMT) for head dim p.D and launch format fmt (HqmqFmt: 1 = hqmq-3.79, 2 = hqmq-5,
+// 0 = runtime field widths, 3 = hqmq-3.79 on the v2 layout).  At D = 64 / 128 the F = 16 format
+// always takes the v2 layout (hqmq_launch_fmt), so FMT 1 is instantiated for D = 32 / 256 only.
+#define KVQ_HQMQ_FMT(EXPR, D, F16)                \
   switch (fmt) {                                  \
-    case 1: return EXPR(D, 1);                    \
+    case F16: return EXPR(D, F16);                \
     case 2: return EXPR(D, 2);                    \
-    default: return EXPR(D, 0);                   \
-  }
-#define KVQ_HQMQ_FMT_V2(EXPR, D)                  \
-  switch (fmt) {                                  \
-    case 1: return EXPR(D, 1);                    \
-    case 2: return EXPR(D, 2);                    \
-    case 3: return EXPR(D, 3);                    \
     default: return EXPR(D, 0);                   \
   }
 #define KVQ_HQMQ_DISPATCH(EXPR)                   \
   switch (p.D) {                                  \
-    case 32: KVQ_HQMQ_FMT(EXPR, 32)               \
-    case 64: KVQ_HQMQ_FMT_V2(EXPR, 64)            \
-    case 128: KVQ_HQMQ_FMT_V2(EXPR, 128)          \
-    default: KVQ_HQMQ_FMT(EXPR, 256)              \
+    case 32: KVQ_HQMQ_FMT(EXPR, 32, 1)            \
+    case 64: KVQ_HQMQ_FMT(EXPR, 64, 3)            \
+    case 128: KVQ_HQMQ_FMT(EXPR, 128, 3)          \
+    default: KVQ_HQMQ_FMT(EXPR, 256, 1)           \
   }
 
-namespace {
-/// v2 layout switch for the F = 16 format (hqmq_warp_mma16): 1 = on (default), 0 = the v1
-/// kernel (FMT 1).  Initial value: KVQ_HQMQ_DECODE_V1=1 turns it off.
-EnvSwitch g_hqmq_v2{"KVQ_HQMQ_DECODE_V1", 0, 1};
-/// Field format of the launch: hqmq_fmt, with F = 16 / b_r = 4 at D = 64 / 128 moved to the v2
-/// layout (3) when the switch is on.
-int hqmq_launch_fmt(const HqmqAttnParams& p) {
+/// Field format of the launch: hqmq_fmt, with F = 16 / b_r = 4 on the v2 layout (3) wherever it
+/// can hold the cache (hqmq_v2_ok: D = 64 / 128; F = 16 with b_r = 4 implies 24 S <= 4096);
+/// elsewhere the general layout of hqmq_warp_mma (FMT 0 / 1 / 2) serves.
+static int hqmq_launch_fmt(const HqmqAttnParams& p) {
   const int fmt = hqmq_fmt(p);
-  return fmt == 1 && hqmq_v2_ok(p) && g_hqmq_v2.get() == 1 ? 3 : fmt;
+  return fmt == 1 && hqmq_v2_ok(p) ? 3 : fmt;
 }
-}  // namespace
-
-int decode_attention_hqmq_v2(int mode) { return g_hqmq_v2.exchange(mode); }
 
 /// Resident CTAs per SM of one instantiation at `smem` bytes (0 on error); cached per size.
 template <typename DType, int D, int FMT>
@@ -80,11 +67,9 @@ static cudaError_t launch_hqmq(const HqmqAttnParams& p, const SplitPlan& plan, c
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm.total);
   if (e != cudaSuccess) return e;
   if (reinterpret_cast<uintptr_t>(p.ws) % 16 != 0) return cudaErrorMisalignedAddress;
-  HqmqAttnParams pk = p;
-  pk.tickets = fused_combine_tickets(p.B * p.H, (int)(p.Hq / p.H), plan.splits(), sm.total, stream);
-  kernel<<<split_grid(plan, p.B * p.H), hqmq_warps(D) * 32, sm.total, stream>>>(pk, plan, sm);
+  kernel<<<split_grid(plan, p.B * p.H), hqmq_warps(D) * 32, sm.total, stream>>>(p, plan, sm);
   e = cudaGetLastError();
-  if (e != cudaSuccess || pk.tickets != nullptr) return e;
+  if (e != cudaSuccess) return e;
   return LaunchDecodeAttentionCombine<DType, D>(p.ws, p.out, p.B * p.Hq, plan.splits(), stream);
 }
 

@@ -1,81 +1,12 @@
 // Decode-attention entry points: split planning (sized by the occupancy of the kernel that
 // will run), the generic (CUDA-core) instantiations, and dispatch to the tensor-core
 // instantiations generated from decode_attention_mma_kernels.cu.in (one file per code width).
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
-#include <mutex>
-
 #include "kvq/attention/decode_attention.cuh"
 #include "kvq/cuda_api.h"
 #include "kvq/quant/group_quant.cuh"
-#include "env_switch.h"
 
 namespace kvq {
 namespace attention {
-
-// ---- the fused split combine: its switch and the per-device split tickets ----
-namespace {
-// The fused combine is opt-in (default 0): on the H200 it measured no faster than the
-// two-launch path (bench/NOTES.md, decode v7), and a CUDA graph that captured it must not be
-// replayed on two streams at once (its tickets are fixed at capture).
-EnvSwitch g_fused_combine{"KVQ_DECODE_FUSED_COMBINE"};
-
-// One ticket buffer per device, handed out in consecutive slices (round robin), so that
-// launches close in time -- e.g. on two streams -- do not share tickets.  Launches on one
-// stream never overlap (the fused kernel is not launched as a programmatic dependent), so
-// within a stream reuse is safe: every launch leaves its tickets at 0.  Buffers are never
-// freed: captured CUDA graphs keep their pointers.
-constexpr int kMaxDevices = 64;
-constexpr int64_t kMinTickets = int64_t(1) << 16;  // 256 KB: B * H up to 65536 per launch
-struct TicketPool {
-  int* ptr = nullptr;
-  int64_t cap = 0, next = 0;
-};
-std::mutex g_pool_mutex;
-TicketPool g_pools[kMaxDevices];
-}  // namespace
-
-int decode_attention_fused_combine(int mode) { return g_fused_combine.exchange(mode); }
-
-int* decode_attention_tickets(int64_t n, cudaStream_t stream) {
-  if (n <= 0 || g_fused_combine.get() == 0) return nullptr;
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= kMaxDevices) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  std::lock_guard<std::mutex> lock(g_pool_mutex);
-  TicketPool& pool = g_pools[dev];
-  if (n > pool.cap) {
-    // allocate (once per device, or to grow): not while this stream is being captured, where
-    // cudaMalloc / a host synchronization are not allowed -- the caller then uses two launches
-    cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &st) != cudaSuccess || st != cudaStreamCaptureStatusNone) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    int64_t cap = kMinTickets;
-    while (cap < n) cap *= 2;
-    int* ptr = nullptr;
-    if (cudaMalloc(&ptr, (size_t)cap * sizeof(int)) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    // zeroed before any kernel on any stream can use it
-    if (cudaMemsetAsync(ptr, 0, (size_t)cap * sizeof(int), stream) != cudaSuccess ||
-        cudaStreamSynchronize(stream) != cudaSuccess) {
-      (void)cudaGetLastError();
-      (void)cudaFree(ptr);
-      return nullptr;
-    }
-    pool.ptr = ptr, pool.cap = cap, pool.next = 0;
-  }
-  if (pool.next + n > pool.cap) pool.next = 0;
-  int* t = pool.ptr + pool.next;
-  pool.next += n;
-  return t;
-}
 
 #define KVQ_DECLARE_MMA(B)                                                                              \
   cudaError_t decode_attention_mma_b##B(const DecodeAttnParams&, const SplitPlan&, DTypeId, cudaStream_t); \

@@ -90,10 +90,6 @@ namespace attention {
 int decode_attention_splits(const DecodeAttnParams& p, DTypeId dtype);
 /// \brief Fused decode attention; p.ws must hold B * Hq * splits * (D + 2) floats (16-byte aligned).
 cudaError_t decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream);
-/// \brief Split combine of the decode-attention kernels (group-quantized, GEAR, HQMQ): mode 1 =
-/// fused into the split kernel (the last CTA of each row merges), 0 = a second kernel, < 0 =
-/// unchanged; returns the previous mode.  Initial mode: KVQ_DECODE_FUSED_COMBINE (default 0: two launches).
-int decode_attention_fused_combine(int mode);
 /// \brief Can the CUDA kernels run this GEAR layer (p.gear)?  (Its compressed tokens need the
 /// tensor-core path.)
 bool decode_attention_gear_cuda_ok(const DecodeAttnParams& p);
@@ -109,9 +105,5 @@ namespace attention {
 int decode_attention_hqmq_splits(const HqmqAttnParams& p, DTypeId dtype);
 /// \brief Fused HQMQ decode attention; p.ws must hold B * Hq * splits * (D + 2) floats (16-byte aligned).
 cudaError_t decode_attention_hqmq_cuda(const HqmqAttnParams& p, DTypeId dtype, cudaStream_t stream);
-/// \brief Layout of the F = 16 (hqmq-3.79) tensor-core path at D = 64 / 128: 1 = v2
-/// (hqmq_warp_mma16, default), 0 = v1; < 0 = unchanged; returns the previous mode.  Initial
-/// mode: KVQ_HQMQ_DECODE_V1=1 selects v1.
-int decode_attention_hqmq_v2(int mode);
 }  // namespace attention
 }  // namespace kvq

@@ -1,8 +1,8 @@
 // Fused decode attention over a group-quantized KV cache + full-precision residual.
 // Torch-free.  Flash-decoding: the token axis is split over CTAs (one (batch, KV head)
 // per CTA row), each warp runs its own online softmax over 32-token tiles, the CTA merges
-// its warps and writes its split partial; the last CTA of a row to finish merges the row's
-// splits (fused combine, split tickets), or a small combine kernel does (two-launch path).
+// its warps and writes its split partial; a small combine kernel (a programmatic dependent
+// launch) merges each row's splits.
 //
 // Tensor-core path (tokens quantized in both K and V, the bulk of a long cache), in
 // transposed form so that the <= 8 query heads of a KV head are the N = 8 mma columns:
@@ -1444,11 +1444,9 @@ KVQ_HOST_DEVICE int64_t merge_scratch_floats(int64_t nrows, int64_t splits) { re
 /// \brief Merge the split partials of output rows row0 .. row0 + nrows - 1 and write them:
 ///   out = sum_s w_s acc_s / sum_s w_s l_s,  w_s = 2^(m_s - M),  M = max_s m_s
 /// (fp32; w_s l_s summed lane-strided + butterfly by one warp per row, w_s acc_s in split order
-/// per output: the result depends only on the partials, not on which kernel or block shape runs
-/// it, so the fused and the two-launch combine give identical bits).  Block-wide (blockDim.x a
-/// multiple of 32, every thread calls it); `scratch`: merge_scratch_floats(nrows, splits) floats
-/// of shared memory.  Partials are read with ld.global.cg (L2): the fused path reads what other
-/// CTAs of the same grid wrote, which L1 (not coherent) must not serve.
+/// per output: the result depends only on the partials, not on the block shape that runs it).
+/// Block-wide (blockDim.x a multiple of 32, every thread calls it); `scratch`:
+/// merge_scratch_floats(nrows, splits) floats of shared memory.
 template <typename DType, int D>
 __device__ __forceinline__ void merge_split_rows(const SplitWs& ws, DType* out, int64_t row0, int nrows, int splits,
                                                  float* scratch) {
@@ -1511,52 +1509,6 @@ __device__ __forceinline__ void merge_split_rows(const SplitWs& ws, DType* out, 
     o[2] = from_float<DType>(L > 0.f ? a.z / L : 0.f);
     o[3] = from_float<DType>(L > 0.f ? a.w / L : 0.f);
   }
-}
-
-/// blockIdx.x, and an int passed through an opaque move: values the fused-combine tail
-/// computes afresh from special registers and kernel parameters instead of letting the
-/// compiler keep them (or values derived from them, such as g) in registers from the kernel's
-/// start.  With g reused, the 2-bit D = 128 kernels reloaded 4 spilled values per tile in
-/// their mma loop (sm_90, nvcc 13.0); computed afresh, the loop is unchanged.
-__device__ __forceinline__ int ctaid_x_volatile() {
-  int x;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
-  return x;
-}
-__device__ __forceinline__ int opaque_int(int v) {
-  asm volatile("mov.b32 %0, %0;" : "+r"(v));
-  return v;
-}
-
-/// \brief Fused combine, at the end of every split CTA once its partial is in the workspace
-/// (every thread calls it): the CTA takes the ticket of its (batch, KV head) row (blockIdx.x);
-/// the last of the `splits` CTAs to arrive merges all of them (merge_split_rows, splits in
-/// index order: the result does not depend on the arrival order) into out and resets the
-/// ticket to 0, so that the next launch -- or the next replay of a CUDA graph -- finds it
-/// zeroed.  Memory order: each CTA's partial writes -> bar.sync -> thread 0: fence (release) +
-/// atomicAdd; the last CTA: atomicAdd -> fence (acquire) -> bar.sync -> ld.global.cg of the
-/// partials.  Arguments are kernel parameters only (see ctaid_x_volatile), and the function is
-/// not inlined: its register allocation then leaves the split kernels' mma loops as they were
-/// (inlined, ptxas moved spills into the GEAR loop).  merge_scratch_floats(g, splits) floats at
-/// the start of the kernel's dynamic shared memory are reused.
-template <typename DType, int D>
-__device__ __noinline__ void split_finish_fused(float* ws, void* out, int* tickets, int64_t rows, int g, int splits) {
-  extern __shared__ __align__(16) char smem[];  // the kernel's dynamic shared memory
-  __syncthreads();  // the partial is written and the warp slots are read (smem is reused below)
-  const int bh = ctaid_x_volatile();  // split_grid
-  if (splits > 1) {
-    int last = 0;
-    if (threadIdx.x == 0) {
-      __threadfence();
-      last = atomicAdd(tickets + bh, 1) == splits - 1;
-      if (last) atomicExch(tickets + bh, 0);
-      __threadfence();
-    }
-    if (__syncthreads_or(last) == 0) return;
-  }
-  // output rows of the row's g query heads: b * Hq + h * g = (b * H + h) * g
-  merge_split_rows<DType, D>(SplitWs(ws, rows, splits, D), static_cast<DType*>(out), (int64_t)bh * g, g, splits,
-                             reinterpret_cast<float*>(smem));
 }
 
 // Programmatic dependent launch (sm_90): the combine kernel is launched while the split kernel
@@ -1683,12 +1635,9 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1)
     }
   }
   __syncthreads();
-  // ---- merge the warps and write the split partial; fused combine: the last split of the row merges ----
+  // ---- merge the warps and write the split partial ----
   const SplitWs ws(p.ws, p.B * p.Hq, plan.splits(), D);
   write_split_partial<D, kWarps>(ws, smem + qbytes, wbytes, b * p.Hq + h * g, g, plan.splits(), split);
-  if (p.tickets != nullptr)
-    split_finish_fused<DType, D>(p.ws, p.out, p.tickets, p.B * p.Hq, opaque_int((int)p.Hq) / opaque_int((int)p.H),
-                                 plan.splits());
 }
 
 /// \brief Two-launch combine: one CTA per output row merges its splits (merge_split_rows).
@@ -1724,25 +1673,6 @@ cudaError_t LaunchDecodeAttentionCombine(float* ws, void* out, int64_t rows, int
   (void)cudaGetLastError();
   kernel<<<cfg.gridDim, cfg.blockDim, smem, stream>>>(ws, out, rows, splits);
   return cudaGetLastError();
-}
-
-/// \brief `n` zeroed split tickets for one fused-combine launch on `stream` (n = the grid's
-/// (batch, KV head) rows), or nullptr: then the caller takes the two-launch path.  nullptr
-/// when the fused combine is off (decode_attention_fused_combine), or when the per-device
-/// ticket buffer would have to grow while `stream` is being captured into a CUDA graph, or on
-/// an allocation error.  Defined in csrc/cuda/decode_attention_kernels.cu.
-int* decode_attention_tickets(int64_t n, cudaStream_t stream);
-/// \brief The fused-combine switch: mode 0 = two launches, 1 = fused, < 0 = leave it; returns
-/// the setting before the call.  Starts from the environment variable KVQ_DECODE_FUSED_COMBINE
-/// (read once; default 0 = two launches, 1 = fused).
-int decode_attention_fused_combine(int mode);
-
-/// \brief Tickets for a fused-combine launch of `bh_rows` (batch, KV head) rows with `g` query
-/// heads each and `splits` splits, whose kernel has `smem` bytes of dynamic shared memory for
-/// the merge scratch; nullptr: use the two-launch path.
-inline int* fused_combine_tickets(int64_t bh_rows, int g, int splits, size_t smem, cudaStream_t stream) {
-  if ((size_t)merge_scratch_floats(g, splits) * sizeof(float) > smem) return nullptr;
-  return decode_attention_tickets(bh_rows, stream);
 }
 
 inline bool aligned16(const void* ptr, int64_t sb, int64_t sh, int64_t elem) {
@@ -1870,11 +1800,9 @@ cudaError_t LaunchDecodeAttention(const DecodeAttnParams& p, const SplitPlan& pl
     if (e != cudaSuccess) return e;
   }
   if (reinterpret_cast<uintptr_t>(p.ws) % 16 != 0) return cudaErrorMisalignedAddress;
-  DecodeAttnParams pk = p;
-  pk.tickets = fused_combine_tickets(p.B * p.H, g, plan.splits(), smem, stream);
-  kernel<<<split_grid(plan, p.B * p.H), kWarps * 32, smem, stream>>>(pk, plan);
+  kernel<<<split_grid(plan, p.B * p.H), kWarps * 32, smem, stream>>>(p, plan);
   cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess || pk.tickets != nullptr) return e;
+  if (e != cudaSuccess) return e;
   return LaunchDecodeAttentionCombine<DType, D>(p.ws, p.out, p.B * p.Hq, plan.splits(), stream);
 }
 

@@ -106,10 +106,6 @@ struct DecodeAttnParams {
   // decode_attention.cuh): acc [B * Hq, splits, D], then (m, l) [B * Hq, splits, 2]
   float* ws = nullptr;
   int splits = 0;
-  // Set by the launcher, not the caller: B * H zeroed split tickets of the fused combine (the
-  // last CTA of a (batch, KV head) row merges the splits and resets its ticket), or nullptr
-  // for the two-launch path (split kernel + DecodeAttentionCombineKernel)
-  int* tickets = nullptr;
 };
 
 /// \brief Dequantized element (b, h, t, c) of a quantized store (t < Tq).

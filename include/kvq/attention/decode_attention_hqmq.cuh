@@ -3,8 +3,7 @@
 // kernel (decode_attention.cuh, whose helpers this reuses): the token axis is split over CTAs
 // (SplitPlan / split_plan), each warp runs its own online softmax over 32-token tiles streamed
 // through a per-warp cp.async ring, the CTA merges its warps (write_split_partial), and the
-// splits are merged from the workspace (SplitWs) by the last CTA of each row (fused combine,
-// split_finish_fused) or by DecodeAttentionCombineKernel (two-launch path).
+// splits are merged from the workspace (SplitWs) by DecodeAttentionCombineKernel.
 //
 // Codebooks.  At kernel start the CTA builds, for its KV head h and each role, the 24 S
 // codewords P[p] . secondary[h, s] (same Hamilton product as the CPU twin, fp32, then rounded
@@ -104,7 +103,7 @@ inline bool hqmq_mma_layout_ok(const HqmqAttnParams& p) {
 /// Ring stage: K codes (32 rows of 4 W bytes), V codes (rows padded by 16 bytes so that the lanes
 /// reading tokens 2c of one chunk block hit distinct banks), K scales, V scales (contiguous: one
 /// 16-byte copy per lane 0..7).  Codebooks: 2^12 entries per role (all 12-bit direction indices;
-/// entries past 24 S repeat entry 24 S - 1, the clamp of the v1 path), K at byte 0, V at CB.
+/// entries past 24 S repeat entry 24 S - 1, as the general path clamps them), K at byte 0, V at CB.
 template <int D>
 struct Hq16 {
   static_assert(D == 64 || D == 128, "the v2 HQMQ layout is for D = 64 and 128");
@@ -517,7 +516,7 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
 //    2^-16 in units of cw rcode); 2^9 / (2^b_r - 1) goes into the fp32 score factor.
 //  - V: element = fp16(cw 16/15) x fp16(rcode/16 x scale) (rcode/16 exact by the magic-number
 //    HFMA2, x scale one HMUL2 per word and token, the fp16 scale pair loaded with one LDS.32):
-//    the same three fp16 roundings as v1, no fp32 conversions per chunk, no overflow
+//    the same three fp16 roundings as the general path, no fp32 conversions per chunk, no overflow
 //    (rcode/16 x scale <= 15/16 x 65504).
 //  - tile copies with compile-time sizes and running source pointers (no 64-bit multiplies,
 //    no predicates except the scales).
@@ -817,7 +816,7 @@ __device__ void hqmq_warp_mma16(const HqmqAttnParams& p, int64_t b, int64_t h, i
 template <typename DType, int D, int FMT>
 __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
     HqmqDecodeAttentionKernel(HqmqAttnParams p, SplitPlan plan, HqmqSmem sm) {
-  pdl_allow_dependents();  // the combine kernel (two-launch path) may launch; it waits for this grid
+  pdl_allow_dependents();  // the combine kernel may launch; it waits for this grid
   extern __shared__ __align__(16) char smem[];
   const int split = blockIdx.y;  // split_grid
   const int64_t bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
@@ -852,7 +851,7 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
         return make_uint2(pack_half2(q0 * f, q1 * f), pack_half2(q2 * f, q3 * f));
       };
       for (int e = threadIdx.x; e < ne; e += blockDim.x) cb[e] = entry(e);
-      if (ne < 4096) {  // indices past 24 S: the clamped entry 24 S - 1 (as v1's clamp)
+      if (ne < 4096) {  // indices past 24 S: the clamped entry 24 S - 1 (as the general path)
         const uint2 last = entry(ne - 1);
         for (int e = ne + threadIdx.x; e < 4096; e += blockDim.x) cb[e] = last;
       }
@@ -905,9 +904,6 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
   __syncthreads();
   const SplitWs ws(p.ws, p.B * p.Hq, plan.splits(), D);
   write_split_partial<D, hqmq_warps(D)>(ws, regions, sm.region, b * p.Hq + h * g, g, plan.splits(), split);
-  if (p.tickets != nullptr)
-    split_finish_fused<DType, D>(p.ws, p.out, p.tickets, p.B * p.Hq, opaque_int((int)p.Hq) / opaque_int((int)p.H),
-                                 plan.splits());
 }
 
 }  // namespace attention

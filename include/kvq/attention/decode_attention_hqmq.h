@@ -56,7 +56,6 @@ struct HqmqAttnParams {
   float scale = 1.f;
   float* ws = nullptr;
   int splits = 0;
-  int* tickets = nullptr;  // set by the launcher (see DecodeAttnParams::tickets)
 };
 
 /// \brief Record range [*begin, *end) of (tile j, row n), clamped to [0, M].
