@@ -45,7 +45,7 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& scale, con
   return c.out;
 }
 
-// ---- HQMQ (format: include/kvq/vq/quaternion_vq.h) ----
+// ---- HQMQ (format: include/kvq/hqmq/hqmq.h) ----
 std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cuda(
     const at::Tensor& x, const at::Tensor& secondary, int64_t radius_bits,
     const c10::optional<at::Tensor>& outlier_threshold, bool check_finite) {
@@ -53,10 +53,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cuda(
   HqmqEncodeCall c = prepare_hqmq_encode(x, secondary, radius_bits, outlier_threshold, check_finite);
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   const auto dt = dtype_id(c.x.scalar_type());
-  KVQ_CUDA_CALL("hqmq_encode", vq::hqmq_encode_cuda(c.params, dt, stream));
+  KVQ_CUDA_CALL("hqmq_encode", hqmq::hqmq_encode_cuda(c.params, dt, stream));
   if (check_finite) raise_status("hqmq_encode", "x", c.status.item<int32_t>());
   if (hqmq_prepare_records(c) > 0)  // syncs once for the record count (Med3x only)
-    KVQ_CUDA_CALL("hqmq_encode", vq::hqmq_write_records_cuda(c.params, dt, stream));
+    KVQ_CUDA_CALL("hqmq_encode", hqmq::hqmq_write_records_cuda(c.params, dt, stream));
   return {c.codes, c.scale, c.outliers};
 }
 
@@ -67,7 +67,7 @@ at::Tensor hqmq_decode_cuda(const at::Tensor& codes, const at::Tensor& scale,
   HqmqDecodeCall c =
       prepare_hqmq_decode(codes, scale, secondary, outliers, radius_bits, head_dim, dtype);
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  KVQ_CUDA_CALL("hqmq_decode", vq::hqmq_decode_cuda(c.params, dtype_id(dtype), stream));
+  KVQ_CUDA_CALL("hqmq_decode", hqmq::hqmq_decode_cuda(c.params, dtype_id(dtype), stream));
   return c.out;
 }
 // ---- end HQMQ ----

@@ -42,11 +42,11 @@ static attention::HqmqKV make_hqmq_role(const char* role, const at::Tensor& q, c
   KVQ_CHECK_ARG(codes.size(0) == B && codes.size(1) == H, kOp, cn.c_str(), "must be [B=", B, ", H=", H,
                 ", T, W], got ", codes.sizes());
   KVQ_CHECK_ARG(secondary.size(0) == H && secondary.size(2) == 4 && secondary.size(1) >= 1 &&
-                    secondary.size(1) <= vq::kMaxSecondary,
-                kOp, secn.c_str(), "must be [H=", H, ", S, 4] with S in 1..", vq::kMaxSecondary, ", got ",
+                    secondary.size(1) <= hqmq::kMaxSecondary,
+                kOp, secn.c_str(), "must be [H=", H, ", S, 4] with S in 1..", hqmq::kMaxSecondary, ", got ",
                 secondary.sizes());
   const int64_t S = secondary.size(1);
-  const int W = vq::hqmq_words(D, S, (int)radius_bits);
+  const int W = hqmq::hqmq_words(D, S, (int)radius_bits);
   KVQ_CHECK_ARG(codes.size(3) == W, kOp, cn.c_str(), "must have ", W, " words per token (D=", D, ", S=", S,
                 ", radius_bits=", radius_bits, "), got ", codes.size(3));
   KVQ_CHECK_ARG(codes.numel() == 0 || (codes.stride(3) == 1 && codes.stride(2) == W), kOp, cn.c_str(),
@@ -67,7 +67,7 @@ static attention::HqmqKV make_hqmq_role(const char* role, const at::Tensor& q, c
   s.scale_sb = scale.stride(0), s.scale_sh = scale.stride(1);
   s.S = S;
   s.radius_bits = (int)radius_bits;
-  s.field_bits = vq::hqmq_dir_bits(S) + (int)radius_bits;
+  s.field_bits = hqmq::hqmq_dir_bits(S) + (int)radius_bits;
   s.words = W;
   s.num_outliers = M;
   return s;

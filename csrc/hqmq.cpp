@@ -1,6 +1,6 @@
 // kvq.hqmq_encode / kvq.hqmq_decode: argument checks, output allocation and the CPU
 // implementation (the CUDA one is in cuda_bindings.cpp and shares prepare_* / finish_*).
-// Format: include/kvq/vq/quaternion_vq.h.  NOTE(hqmq): built with -ffp-contract=off so the
+// Format: include/kvq/hqmq/hqmq.h.  NOTE(hqmq): built with -ffp-contract=off so the
 // CPU twin rounds exactly like the CUDA kernels (same codes on both devices).
 #include <ATen/Parallel.h>
 
@@ -26,12 +26,12 @@ static void check_secondary(const char* op, const at::Tensor& sec, int64_t H) {
   CHECK_DIM(op, sec, "secondary", 3);
   KVQ_CHECK_ARG(sec.size(0) == H && sec.size(2) == 4, op, "secondary",
                 "must have shape [H, S, 4] with H=", H, " (the KV heads), got ", sec.sizes());
-  KVQ_CHECK_ARG(sec.size(1) >= 1 && sec.size(1) <= vq::kMaxSecondary, op, "secondary",
-                "must hold S in 1..", vq::kMaxSecondary, " quaternions per head, got S=",
+  KVQ_CHECK_ARG(sec.size(1) >= 1 && sec.size(1) <= hqmq::kMaxSecondary, op, "secondary",
+                "must hold S in 1..", hqmq::kMaxSecondary, " quaternions per head, got S=",
                 sec.size(1));
 }
 
-static void fill_common(vq::HqmqParams& p, int64_t N, int64_t H, int64_t T, int64_t D, int64_t S,
+static void fill_common(hqmq::HqmqParams& p, int64_t N, int64_t H, int64_t T, int64_t D, int64_t S,
                         int64_t radius_bits) {
   p.N = N;
   p.H = H;
@@ -39,9 +39,9 @@ static void fill_common(vq::HqmqParams& p, int64_t N, int64_t H, int64_t T, int6
   p.D = D;
   p.S = S;
   p.radius_bits = (int)radius_bits;
-  p.dir_bits = vq::hqmq_dir_bits(S);
+  p.dir_bits = hqmq::hqmq_dir_bits(S);
   p.field_bits = p.dir_bits + (int)radius_bits;
-  p.words = vq::hqmq_words(D, S, (int)radius_bits);
+  p.words = hqmq::hqmq_words(D, S, (int)radius_bits);
 }
 
 HqmqEncodeCall prepare_hqmq_encode(const at::Tensor& x_in, const at::Tensor& secondary,
@@ -129,7 +129,7 @@ HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& sc
   CHECK_SAME_DEVICE(op, codes, "codes", scale, "scale");
   CHECK_SAME_DEVICE(op, codes, "codes", secondary, "secondary");
   CHECK_SAME_DEVICE(op, codes, "codes", outliers, "outliers");
-  const int W = vq::hqmq_words(head_dim, secondary.size(1), (int)radius_bits);
+  const int W = hqmq::hqmq_words(head_dim, secondary.size(1), (int)radius_bits);
   KVQ_CHECK_ARG(codes.size(-1) == W, op, "codes", "must have ", W, " words per token for head_dim=",
                 head_dim, ", S=", secondary.size(1), ", radius_bits=", radius_bits, ", got shape ",
                 codes.sizes());
@@ -167,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cpu(
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dt, DType, [&] {
       at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
-        vq::hqmq_encode_cpu<DType>(c.params, b, e);
+        hqmq::hqmq_encode_cpu<DType>(c.params, b, e);
       });
     });
   });
@@ -176,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cpu(
     translate_errors([&] {
       KVQ_DISPATCH_DTYPE(dt, DType, [&] {
         at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
-          vq::hqmq_write_records_cpu<DType>(c.params, b, e);
+          hqmq::hqmq_write_records_cpu<DType>(c.params, b, e);
         });
       });
     });
@@ -193,10 +193,10 @@ at::Tensor hqmq_decode_cpu(const at::Tensor& codes, const at::Tensor& scale,
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(dtype), DType, [&] {
       at::parallel_for(0, p.N * p.T, 16, [&](int64_t b, int64_t e) {
-        vq::hqmq_decode_cpu<DType>(p, b, e);
+        hqmq::hqmq_decode_cpu<DType>(p, b, e);
       });
       // Serial: records may (only if corrupt) name the same chunk twice; last one wins.
-      vq::hqmq_apply_records_cpu<DType>(p, 0, p.num_outliers);
+      hqmq::hqmq_apply_records_cpu<DType>(p, 0, p.num_outliers);
     });
   });
   return c.out;

@@ -12,7 +12,7 @@
 #include "kvq/attention/decode_attention_hqmq.h"
 #include "kvq/quant/group_quant.h"
 #include "kvq/select/outlier_topk.h"
-#include "kvq/vq/quaternion_vq.h"
+#include "kvq/hqmq/hqmq.h"
 #include "utils.h"
 
 namespace kvq {
@@ -53,7 +53,7 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& scale, con
 struct HqmqEncodeCall {
   at::Tensor x, secondary, threshold, codes, scale, status, flag_mask, flag_count, offsets,
       outliers;
-  vq::HqmqParams params;
+  hqmq::HqmqParams params;
 };
 HqmqEncodeCall prepare_hqmq_encode(const at::Tensor& x, const at::Tensor& secondary,
                                    int64_t radius_bits,
@@ -64,7 +64,7 @@ HqmqEncodeCall prepare_hqmq_encode(const at::Tensor& x, const at::Tensor& second
 int64_t hqmq_prepare_records(HqmqEncodeCall& c);
 struct HqmqDecodeCall {
   at::Tensor codes, scale, secondary, outliers, out;
-  vq::HqmqParams params;
+  hqmq::HqmqParams params;
 };
 HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& scale,
                                    const at::Tensor& secondary, const at::Tensor& outliers,

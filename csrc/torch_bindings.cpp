@@ -40,7 +40,7 @@ TORCH_LIBRARY(kvq, m) {
   // x: [..., H, T, D] (D in {32,64,128,256}), secondary fp32 [H, S, 4] ->
   //   codes int32 [..., H, T, W] (W = ceil(D/4 * (ceil(log2(24S)) + radius_bits) / 32)),
   //   scale fp16 [..., H, T], outliers int32 [M, 4] (Med3x records; M = 0 without a
-  //   threshold).  Layout: include/kvq/vq/quaternion_vq.h and docs/ops.md.
+  //   threshold).  Layout: include/kvq/hqmq/hqmq.h and docs/ops.md.
   m.def("hqmq_encode(Tensor x, Tensor secondary, int radius_bits, Tensor? outlier_threshold=None,"
         " bool check_finite=True) -> (Tensor codes, Tensor scale, Tensor outliers)");
   m.def("hqmq_decode(Tensor codes, Tensor scale, Tensor secondary, Tensor outliers,"

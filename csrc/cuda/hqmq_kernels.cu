@@ -1,9 +1,9 @@
 // Instantiations of the HQMQ encode/decode kernels (torch-free; nvcc, C++17).
 #include "kvq/cuda_api.h"
-#include "kvq/vq/quaternion_vq.cuh"
+#include "kvq/hqmq/hqmq.cuh"
 
 namespace kvq {
-namespace vq {
+namespace hqmq {
 
 /// Head dim D -> (chunks per lane CPT, lanes per token LPT), C = D / 4 = CPT * LPT.
 #define KVQ_DISPATCH_HQMQ_HEAD_DIM(head_dim, CPT, LPT, ...)                        \
@@ -37,5 +37,5 @@ cudaError_t hqmq_decode_cuda(const HqmqParams& p, DTypeId dtype, cudaStream_t st
   });
 }
 
-}  // namespace vq
+}  // namespace hqmq
 }  // namespace kvq

@@ -5,7 +5,7 @@
 
 #include "kvq/common/dispatch.h"
 #include "kvq/quant/group_quant.h"
-#include "kvq/vq/quaternion_vq.h"
+#include "kvq/hqmq/hqmq.h"
 
 namespace kvq {
 namespace quant {
@@ -23,7 +23,7 @@ cudaError_t group_dequantize_cuda(const GroupQuantParams& p, DTypeId dtype, cuda
 
 // ---- HQMQ (csrc/cuda/hqmq_kernels.cu) ----
 namespace kvq {
-namespace vq {
+namespace hqmq {
 
 /// \brief Dense HQMQ encode of p.x into p.codes / p.scale (+ outlier mask/count scratch).
 cudaError_t hqmq_encode_cuda(const HqmqParams& p, DTypeId dtype, cudaStream_t stream);
@@ -32,7 +32,7 @@ cudaError_t hqmq_write_records_cuda(const HqmqParams& p, DTypeId dtype, cudaStre
 /// \brief Decode p.codes / p.scale and apply the outlier records into p.out.
 cudaError_t hqmq_decode_cuda(const HqmqParams& p, DTypeId dtype, cudaStream_t stream);
 
-}  // namespace vq
+}  // namespace hqmq
 }  // namespace kvq
 
 // ---- GEAR (csrc/cuda/{outlier_topk,power_svd,gear}_kernels.cu) ----

@@ -1,6 +1,6 @@
 """Plain-PyTorch reference of HQMQ (brute-force codeword search) and of its packed layout.
 
-Index conventions (same as include/kvq/vq/quaternion_vq.h):
+Index conventions (same as include/kvq/hqmq/hqmq.h):
   Hurwitz unit p in [0, 8): axis p // 2 with sign (-1 if p odd); p in [8, 24): half unit
   with component i negative iff bit i of p - 8 is set.  Direction dir = s * 24 + p,
   codeword = P[p] . secondary[h, s] (Hamilton product, p on the left).

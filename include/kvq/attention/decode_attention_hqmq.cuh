@@ -41,12 +41,12 @@
 // (keep it in sync when changing the layouts below).
 // Generic path (tail tokens, g > 8, unaligned rows, codebooks too large for shared memory):
 //   warp_generic_loop with a loader that decodes each lane's elements in fp32 with
-//   vq::decode_chunk from the global secondary set (bit-identical to kvq.hqmq_decode) and adds
+//   hqmq::decode_chunk from the global secondary set (bit-identical to kvq.hqmq_decode) and adds
 //   the token's records.
 #pragma once
 #include "kvq/attention/decode_attention.cuh"
 #include "kvq/attention/decode_attention_hqmq.h"
-#include "kvq/vq/quaternion_vq.h"
+#include "kvq/hqmq/hqmq.h"
 
 namespace kvq {
 namespace attention {
@@ -126,7 +126,7 @@ inline bool hqmq_v2_ok(const HqmqAttnParams& p) {
   if (!(p.D == 64 || p.D == 128)) return false;
   for (const HqmqKV* s : {&p.k, &p.v})
     if (s->field_bits != 16 || s->radius_bits != 4 || s->words != p.D / 8 || s->S < 1 ||
-        (int64_t)vq::kHurwitzUnits * s->S > 4096)
+        (int64_t)hqmq::kHurwitzUnits * s->S > 4096)
       return false;
   return true;
 }
@@ -153,7 +153,7 @@ inline HqmqSmem hqmq_smem_plan(const HqmqAttnParams& p, int fmt = 0) {
     const HqmqTileLayout tl = HqmqTileLayout::make(p.k.words, p.v.words);
     const size_t ring = (size_t)kHqmqStages * tl.bytes;
     const size_t region = (ring > slot16 ? ring : slot16) + sizeof(float) * kTile * 8;  // + [32][8] buffer
-    const size_t cbk = (size_t)vq::kHurwitzUnits * 8 * p.k.S, cbv = (size_t)vq::kHurwitzUnits * 8 * p.v.S;
+    const size_t cbk = (size_t)hqmq::kHurwitzUnits * 8 * p.k.S, cbv = (size_t)hqmq::kHurwitzUnits * 8 * p.v.S;
     const size_t total = cbk + cbv + m.q + nw * region;
     if (total <= (size_t)kHqmqSmemLimit) {
       m.mma = true, m.cb_k = cbk, m.cb_v = cbv, m.region = region, m.total = total;
@@ -211,7 +211,7 @@ __device__ __forceinline__ void hqmq_load_token(const HqmqAttnParams& p, const H
   const uint32_t* row =
       reinterpret_cast<const uint32_t*>(s.codes) + b * s.codes_sb + h * s.codes_sh + t * s.words;
   const float maxq = (float)((1 << s.radius_bits) - 1);
-  const float step = vq::div_rn(half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.scale) +
+  const float step = hqmq::div_rn(half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.scale) +
                                                          b * s.scale_sb + h * s.scale_sh + t)),
                                 maxq);
   const float* sec = s.secondary + h * s.S * 4;
@@ -219,7 +219,7 @@ __device__ __forceinline__ void hqmq_load_token(const HqmqAttnParams& p, const H
   for (int e = 0; e < EPL; e += STEP) {
     const int ch = lane * EPL + e;
     float o[4];
-    vq::decode_chunk(vq::read_field(row, ch / 4, s.field_bits), s.radius_bits, step, sec, s.S, o);
+    hqmq::decode_chunk(hqmq::read_field(row, ch / 4, s.field_bits), s.radius_bits, step, sec, s.S, o);
 #pragma unroll
     for (int u = 0; u < STEP; ++u) x[e + u] = STEP == 4 ? o[u] : pick4(o, (ch & 3) + u);
   }
@@ -262,7 +262,7 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
   const int RBK = FM::RB ? FM::RB : p.k.radius_bits, RBV = FM::RB ? FM::RB : p.v.radius_bits;
   const uint32_t fmk = (1u << FK) - 1u, fmv = (1u << FV) - 1u;
   const uint32_t rmk = (1u << RBK) - 1u, rmv = (1u << RBV) - 1u;
-  const uint32_t dmaxk = (uint32_t)(vq::kHurwitzUnits * p.k.S - 1), dmaxv = (uint32_t)(vq::kHurwitzUnits * p.v.S - 1);
+  const uint32_t dmaxk = (uint32_t)(hqmq::kHurwitzUnits * p.k.S - 1), dmaxv = (uint32_t)(hqmq::kHurwitzUnits * p.v.S - 1);
   const float inv_k = 1.f / (float)rmk, inv_v = 1.f / (float)rmv;
 
   // ---- q^T B-fragments of head i (chunk 4kk + c), normalised per head ----
@@ -841,13 +841,13 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
       const HqmqKV& s = role ? p.v : p.k;
       uint2* cb = reinterpret_cast<uint2*>(smem) + role * 4096;
       const float f = role ? 16.f / 15.f : 32768.f;
-      const int ne = (int)(vq::kHurwitzUnits * s.S);  // <= 4096 (hqmq_v2_ok)
+      const int ne = (int)(hqmq::kHurwitzUnits * s.S);  // <= 4096 (hqmq_v2_ok)
       auto entry = [&](int x) {
-        const int si = x / vq::kHurwitzUnits, u = x % vq::kHurwitzUnits;
+        const int si = x / hqmq::kHurwitzUnits, u = x % hqmq::kHurwitzUnits;
         const float* sec = s.secondary + (h * s.S + si) * 4;
         float p0, p1, p2, p3, q0, q1, q2, q3;
-        vq::hurwitz_unit(u, p0, p1, p2, p3);
-        vq::hamilton(p0, p1, p2, p3, sec[0], sec[1], sec[2], sec[3], q0, q1, q2, q3);
+        hqmq::hurwitz_unit(u, p0, p1, p2, p3);
+        hqmq::hamilton(p0, p1, p2, p3, sec[0], sec[1], sec[2], sec[3], q0, q1, q2, q3);
         return make_uint2(pack_half2(q0 * f, q1 * f), pack_half2(q2 * f, q3 * f));
       };
       for (int e = threadIdx.x; e < ne; e += blockDim.x) cb[e] = entry(e);
@@ -861,12 +861,12 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
       const HqmqKV& s = role ? p.v : p.k;
       uint2* cb = role ? cbv : cbk;
       const float* sec = s.secondary + h * s.S * 4;
-      for (int64_t e = threadIdx.x; e < (int64_t)vq::kHurwitzUnits * s.S; e += blockDim.x) {
-        const int64_t si = e / vq::kHurwitzUnits;
-        const int u = (int)(e % vq::kHurwitzUnits);
+      for (int64_t e = threadIdx.x; e < (int64_t)hqmq::kHurwitzUnits * s.S; e += blockDim.x) {
+        const int64_t si = e / hqmq::kHurwitzUnits;
+        const int u = (int)(e % hqmq::kHurwitzUnits);
         float p0, p1, p2, p3, q0, q1, q2, q3;
-        vq::hurwitz_unit(u, p0, p1, p2, p3);
-        vq::hamilton(p0, p1, p2, p3, sec[4 * si], sec[4 * si + 1], sec[4 * si + 2], sec[4 * si + 3], q0, q1, q2,
+        hqmq::hurwitz_unit(u, p0, p1, p2, p3);
+        hqmq::hamilton(p0, p1, p2, p3, sec[4 * si], sec[4 * si + 1], sec[4 * si + 2], sec[4 * si + 3], q0, q1, q2,
                      q3);
         cb[e] = make_uint2(pack_half2(q0, q1), pack_half2(q2, q3));
       }

@@ -1,6 +1,6 @@
 // Decode attention over an HQMQ-compressed KV cache layer (keys and values both HQMQ, packed
 // codes + fp16 radius scales + Med3x outlier records): params, the outlier index and the CPU
-// twin.  Torch-free.  Format of one role: include/kvq/vq/quaternion_vq.h.
+// twin.  Torch-free.  Format of one role: include/kvq/hqmq/hqmq.h.
 //
 //   out[b, hq] = softmax_t(scale * q[b, hq] . K[b, hq / g, t] + mask) . V[b, hq / g, t]
 // with K/V token t = the HQMQ decode of (codes, scale) + the token's Med3x records
@@ -23,7 +23,7 @@
 
 #include "kvq/common/half.h"
 #include "kvq/common/macros.h"
-#include "kvq/vq/quaternion_vq.h"
+#include "kvq/hqmq/hqmq.h"
 
 namespace kvq {
 namespace attention {
@@ -81,11 +81,11 @@ inline void hqmq_decode_tokens_cpu(const HqmqAttnParams& p, const HqmqKV& s, int
   const uint32_t* codes = reinterpret_cast<const uint32_t*>(s.codes) + b * s.codes_sb + h * s.codes_sh;
   const uint16_t* scale = s.scale + b * s.scale_sb + h * s.scale_sh;
   for (int64_t t = t0; t < t1; ++t) {
-    const float step = vq::div_rn(half_bits_to_float(scale[t]), maxq);
+    const float step = hqmq::div_rn(half_bits_to_float(scale[t]), maxq);
     const uint32_t* row = codes + t * s.words;
     for (int64_t c = 0; c < C; ++c) {
       float o[4];
-      vq::decode_chunk(vq::read_field(row, (int)c, s.field_bits), s.radius_bits, step, sec, s.S, o);
+      hqmq::decode_chunk(hqmq::read_field(row, (int)c, s.field_bits), s.radius_bits, step, sec, s.S, o);
       for (int i = 0; i < 4; ++i) x[(t - t0) * D + 4 * c + i] = o[i];
     }
   }

@@ -1,4 +1,4 @@
-// CUDA kernels of HQMQ encode/decode.  Torch-free.  Format and arithmetic: quaternion_vq.h.
+// CUDA kernels of HQMQ encode/decode.  Torch-free.  Format and arithmetic: hqmq.h.
 //
 // Thread mapping (encode and decode): a block works on one row group n (one KV head's
 // secondary set, copied once into shared memory as float4) and a tile of TOKENS_PER_BLOCK
@@ -12,10 +12,10 @@
 #include <cuda_runtime.h>
 
 #include "kvq/common/half.h"
-#include "kvq/vq/quaternion_vq.h"
+#include "kvq/hqmq/hqmq.h"
 
 namespace kvq {
-namespace vq {
+namespace hqmq {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kThreads = 256;
@@ -581,5 +581,5 @@ cudaError_t HqmqDecode(const HqmqParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-}  // namespace vq
+}  // namespace hqmq
 }  // namespace kvq

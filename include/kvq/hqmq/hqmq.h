@@ -38,7 +38,7 @@
 #include "kvq/common/macros.h"
 
 namespace kvq {
-namespace vq {
+namespace hqmq {
 
 constexpr int kHurwitzUnits = 24;
 constexpr int kMaxSecondary = 2048;  // shared memory: S * 16 bytes
@@ -389,5 +389,5 @@ void hqmq_apply_records_cpu(const HqmqParams& p, int64_t k_begin, int64_t k_end)
   }
 }
 
-}  // namespace vq
+}  // namespace hqmq
 }  // namespace kvq
