@@ -4,19 +4,25 @@
 #
 #   bash tools/sanitize.sh [PYTEST ARGS...]
 #
-# Default selection: the long-cache and many-tile decode-attention tests of every kernel
-# family (KIVI/int/FlexGen, GEAR outlier layouts, HQMQ) and the GEAR key selection.  Narrow it
-# with node ids when a tool runs past the limit, e.g.
-#   bash tools/sanitize.sh "tests/test_decode_attention.py::test_cuda_long_matches_cpu[5000-kivi-2]"
+# Default selection (16 tests): long-cache and many-tile decode-attention tests of every kernel
+# family (KIVI / int mma and generic paths, GEAR outlier layouts, HQMQ) and the GEAR key
+# selection.  Any pytest arguments replace it, e.g.
+#   bash tools/sanitize.sh tests/test_decode_attention_gear.py -k cuda_decode_heavy
 # Environment: OUTDIR (default /tmp/kvq-sanitize), SANITIZE_TOOLS (default "memcheck racecheck"),
-# SANITIZE_LIMIT seconds per tool (default 600).
+# SANITIZE_LIMIT seconds per tool (default 300).
 set -uo pipefail
 OUTDIR=${OUTDIR:-/tmp/kvq-sanitize}; mkdir -p "$OUTDIR"
-LIMIT=${SANITIZE_LIMIT:-600}
+LIMIT=${SANITIZE_LIMIT:-300}
 if [ $# -eq 0 ]; then
-  set -- tests/test_decode_attention.py tests/test_decode_attention_gear.py tests/test_decode_attention_hqmq.py \
-    tests/test_gear.py -k "cuda_long_matches_cpu or cuda_many_tiles_per_warp or cuda_outlier_layouts_match_cpu \
-or cuda_gear_keys_fused_matches_cpu"
+  set -- "tests/test_decode_attention.py::test_cuda_long_matches_cpu[5000-kivi-2]" \
+    "tests/test_decode_attention.py::test_cuda_long_matches_cpu[5000-kivi-4]" \
+    "tests/test_decode_attention.py::test_cuda_long_matches_cpu[5000-int4-per-token]" \
+    "tests/test_decode_attention.py::test_cuda_many_tiles_per_warp" \
+    "tests/test_decode_attention_gear.py::test_cuda_outlier_layouts_match_cpu" \
+    "tests/test_decode_attention_gear.py::test_cuda_long_matches_cpu[128-dtype0-gear-2]" \
+    "tests/test_decode_attention_hqmq.py::test_cuda_long_matches_cpu[5000-128-hqmq-3.79]" \
+    "tests/test_decode_attention_hqmq.py::test_cuda_long_matches_cpu[5000-64-hqmq-5]" \
+    "tests/test_gear.py::test_cuda_gear_keys_fused_matches_cpu[4096-128-2-64-0.02-dtype0]"
 fi
 rc=0
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
