@@ -12,13 +12,11 @@
 //   "FP16 KV bytes (D2D copy)"  a cudaMemcpy of half the FP16 KV size, so that the bytes it
 //                               moves (read + write) equal the FP16 KV an FP16 decode reads:
 //                               the time a copy-bound FP16 decode would take (no SDPA here)
-//   "fused kivi-N"              decode_attention_cuda; bytes = codes + scales + zeros +
-//                               residual of both roles (computed from the layout); the split
-//                               combine fused into the split kernel (opt-in: KVQ_DECODE_FUSED_COMBINE=1)
-//   "fused kivi-N (2 launches)" the same with the split kernel + combine kernel (its output
-//                               must equal the fused one bit for bit)
-// Before timing, every fused launch runs once into a NaN-filled output, which is copied back
-// and scanned for non-finite values; unless --no-check, batch B - 1 (all KV heads) is also
+//   "fused kivi-N"              decode_attention_cuda (split kernel + combine kernel);
+//                               bytes = codes + scales + zeros + residual of both roles
+//                               (computed from the layout)
+// Before timing, every launch runs once into a NaN-filled output, which is copied back and
+// scanned for non-finite values; unless --no-check, batch B - 1 (all KV heads) is also
 // compared with the CPU twin (decode_attention_cpu) on the same stored data.  Any failure
 // exits non-zero (after the table, for a reference mismatch).
 #include <cmath>
@@ -318,52 +316,34 @@ int main(int argc, char** argv) {
         float* ws = dev_alloc<float>(B * kHq * p.splits * (kD + 2), "split workspace");
         p.ws = ws;
 
-        // both split combines in the same run: fused into the split kernel (mode 1, opt-in) and
-        // the two-launch path (split kernel + combine kernel, mode 0, the default); they must agree bit
-        // for bit (same partials, same merge arithmetic)
-        const int mode0 = attention::decode_attention_fused_combine(-1);
-        std::vector<uint16_t> o_fused;
-        for (int mode : {1, 0}) {
-          attention::decode_attention_fused_combine(mode);
-          const std::string name = std::string(pr.name) + (mode ? "" : " (2 launches)");
-          // one launch into a NaN-filled output (0xFFFF), copied back and scanned
-          BENCH_CUDA_CHECK(cudaMemsetAsync(out, 0xff, (size_t)B * kHq * kD * 2, s));
-          BENCH_CUDA_CHECK(attention::decode_attention_cuda(p, DTypeId::kFloat16, s));
-          BENCH_CUDA_CHECK(cudaStreamSynchronize(s));
-          BENCH_CUDA_CHECK(cudaGetLastError());
-          const std::vector<uint16_t> o = to_host(out, B * kHq * kD);
-          int64_t bad = 0, nonzero = 0;
-          for (uint16_t x : o) bad += !finite_half(x), nonzero += (x & 0x7fffu) != 0;
-          if (bad > 0)
-            BENCH_FAIL("%s B=%lld L=%lld: %lld of %lld outputs are NaN/Inf (unwritten or broken launch)", name.c_str(),
-                       (long long)B, (long long)L, (long long)bad, (long long)o.size());
-          if (nonzero == 0)
-            BENCH_FAIL("%s B=%lld L=%lld: the output is all zeros", name.c_str(), (long long)B, (long long)L);
-          char note[96];
-          std::snprintf(note, sizeof note, "finite, splits=%d", p.splits);
-          std::string chk = note;
-          if (mode) {
-            o_fused = o;
-          } else {
-            const bool same = o == o_fused;
-            all_ok &= same;
-            chk += same ? "; bits = fused" : "; bits differ from fused FAIL";
-          }
-          if (check) {
-            const double err = cpu_check(p, o, B - 1);
-            const bool ok = err < kTol;
-            all_ok &= ok;
-            std::snprintf(note, sizeof note, "; b=%lld vs CPU rel err %.1e%s", (long long)(B - 1), err,
-                          ok ? "" : " FAIL");
-            chk += note;
-          }
-
-          const auto r = h.time([&](cudaStream_t st) {
-            BENCH_CUDA_CHECK(attention::decode_attention_cuda(p, DTypeId::kFloat16, st));
-          });
-          print_row(name.c_str(), B, L, r, kr.bytes + vr.bytes, copy_bw, ref.median_us, chk);
+        // one launch into a NaN-filled output (0xFFFF), copied back and scanned
+        BENCH_CUDA_CHECK(cudaMemsetAsync(out, 0xff, (size_t)B * kHq * kD * 2, s));
+        BENCH_CUDA_CHECK(attention::decode_attention_cuda(p, DTypeId::kFloat16, s));
+        BENCH_CUDA_CHECK(cudaStreamSynchronize(s));
+        BENCH_CUDA_CHECK(cudaGetLastError());
+        const std::vector<uint16_t> o = to_host(out, B * kHq * kD);
+        int64_t bad = 0, nonzero = 0;
+        for (uint16_t x : o) bad += !finite_half(x), nonzero += (x & 0x7fffu) != 0;
+        if (bad > 0)
+          BENCH_FAIL("%s B=%lld L=%lld: %lld of %lld outputs are NaN/Inf (unwritten or broken launch)", pr.name,
+                     (long long)B, (long long)L, (long long)bad, (long long)o.size());
+        if (nonzero == 0) BENCH_FAIL("%s B=%lld L=%lld: the output is all zeros", pr.name, (long long)B, (long long)L);
+        char note[96];
+        std::snprintf(note, sizeof note, "finite, splits=%d", p.splits);
+        std::string chk = note;
+        if (check) {
+          const double err = cpu_check(p, o, B - 1);
+          const bool ok = err < kTol;
+          all_ok &= ok;
+          std::snprintf(note, sizeof note, "; b=%lld vs CPU rel err %.1e%s", (long long)(B - 1), err,
+                        ok ? "" : " FAIL");
+          chk += note;
         }
-        attention::decode_attention_fused_combine(mode0);
+
+        const auto r = h.time([&](cudaStream_t st) {
+          BENCH_CUDA_CHECK(attention::decode_attention_cuda(p, DTypeId::kFloat16, st));
+        });
+        print_row(pr.name, B, L, r, kr.bytes + vr.bytes, copy_bw, ref.median_us, chk);
         BENCH_CUDA_CHECK(cudaFree(ws));
         kr.free_all();
         vr.free_all();
@@ -373,8 +353,7 @@ int main(int argc, char** argv) {
     }
   }
   if (!all_ok) {
-    std::fprintf(stderr, "error: a fused output differs from the CPU twin by more than %.0e, or the two combines "
-                         "differ (see 'check')\n", kTol);
+    std::fprintf(stderr, "error: a fused output differs from the CPU twin by more than %.0e (see 'check')\n", kTol);
     return 1;
   }
   return 0;

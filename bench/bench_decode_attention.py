@@ -15,7 +15,7 @@ the first P tokens (the prefill block), then one with the other L - P (GEAR: com
 factors, exactly as token-by-token appends would form them; the tokens past the last whole
 block stay in the full-precision buffer).  Rows are labelled ``[stream P+rest]``; the
 dequantize+SDPA rows are left out (the Python per-block dequantize is not what is measured).
-Default: off (one update of all L tokens, the rows of docs/benchmarks.md).
+Default: off (one update of all L tokens, the rows of docs/performance.md).
 
     python bench/bench_decode_attention.py --batch 8 --len 32768 --stream-prefill 4096 \
         --presets kivi-2 gear-2 gearl-2 outlier-2
@@ -51,8 +51,6 @@ def main(argv=None):
     ap.add_argument("--stream-prefill", type=int, default=None, metavar="P",
                     help="build each cache from a P-token prefill, then the rest appended (decode blocks)")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
-    ap.add_argument("--hqmq-v1", action="store_true",
-                    help="also time hqmq-3.79 on the v1 kernel layout (A/B against the default v2)")
     args = ap.parse_args(argv)
     Hq, H, D = args.hq, args.h, args.d
     copy_bw = copy_bandwidth()
@@ -101,7 +99,7 @@ def main(argv=None):
                     del cache
                     continue  # no fused kernel: its dequantize path would need ~4x FP16 memory
                 nbytes = cache.nbytes
-                label = "fused" if fused else "decode_attention (dequantizes: no fused kernel yet)"
+                label = "fused" if fused else "decode_attention (dequantizes: no fused kernel)"
                 run = lambda: kvq.decode_attention(q, cache, 0)  # noqa: E731
                 eager = bench_gpu_time(run, samples=50 if fused else 10)["us"]
                 t = bench_gpu_time(run, samples=50 if fused else 10, graph=fused)
@@ -109,17 +107,6 @@ def main(argv=None):
                 rows.append([B, L, f"{name} {label}{tag}", f"{t['us']:.1f}", f"{eager:.1f}", f"{base / t['us']:.2f}",
                              f"{nbytes / 1e6:.0f}", f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
                 print(rows[-1], flush=True)
-                if name == "hqmq-3.79" and fused and args.hqmq_v1:
-                    from kvquant_ext import _C
-                    prev = _C._hqmq_decode_v2(0)
-                    try:
-                        t = bench_gpu_time(run, samples=50, graph=True)
-                    finally:
-                        _C._hqmq_decode_v2(prev)
-                    bw = nbytes / (t["us"] * 1e-6)
-                    rows.append([B, L, f"{name} fused (v1 layout){tag}", f"{t['us']:.1f}", "", f"{base / t['us']:.2f}",
-                                 f"{nbytes / 1e6:.0f}", f"{bw / 1e9:.0f}", f"{100 * bw / copy_bw:.0f}%"])
-                    print(rows[-1], flush=True)
                 if not stream and name in ("kivi-2", "gear-2", "hqmq-3.79", "hqmq-5"):
                     def deq_sdpa():
                         K, V = cache.dequantize(0)

@@ -197,7 +197,7 @@ def main(argv=None) -> int:
             print(f"[bench_e2e] {name}: prefill {r['prefill_s']:.2f}s, decode "
                   f"{r['decode_tok_s']:.1f} tok/s, peak {r['peak_bytes'] / GIB:.2f} GiB, "
                   f"KV {r['kv_bytes'] / GIB:.3f} GiB", file=sys.stderr, flush=True)
-        except Exception as e:  # OOM, an unfinished op: report and go on
+        except Exception as e:  # OOM or a failing op: report and go on
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             print(f"[bench_e2e] {name}: FAILED {errors[name]}", file=sys.stderr, flush=True)
             if device.type == "cuda":

@@ -85,24 +85,3 @@ def table(rows, headers) -> str:
         out.append("| " + " | ".join(str(c) for c in r) + " |")
     return "\n".join(out)
 
-
-def kernel_table(fn: Callable[[], object], calls: int = 10, rows: int = 10, compact: bool = False) -> str:
-    """torch.profiler table of the CUDA kernels that ``calls`` calls of ``fn`` launch (after
-    two warm-up calls), sorted by total GPU time; ``compact``: one line per kernel with its
-    GPU time per call (µs) and the sum."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    if compact:
-        ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        ev.sort(key=lambda e: -e.self_device_time_total)
-        lines = [f"  {e.self_device_time_total / calls:8.1f} us  {e.key[:90]}" for e in ev[:rows]]
-        lines.append(f"  {sum(e.self_device_time_total for e in ev) / calls:8.1f} us  total per call")
-        return "\n".join(lines)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
-

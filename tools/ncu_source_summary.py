@@ -1,6 +1,6 @@
-"""Summarise the per-instruction CSV that bench/ncu_source.sh writes (no GPU needed).
+"""Summarise the per-instruction CSV that ``tools/ncu.sh -o OUTDIR`` writes (no GPU needed).
 
-    python bench/ncu_source_summary.py ncu_kivi-2.sass.csv.gz [--top 30] [--window 100]
+    python tools/ncu_source_summary.py OUTDIR/ncu_DecodeAttentionKernel.sass.csv.gz [--top 30] [--window 100]
 
 Prints the warp-state stall breakdown of the launch, the instructions with the most samples
 (and their two main stall reasons), and the address windows that execute the most
