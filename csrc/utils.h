@@ -12,8 +12,8 @@
 
 // Error messages are assembled by kvq::msg (integers via std::to_string, shapes, dtypes and
 // devices by hand) and handed to TORCH_CHECK as one string: no std::ostream number
-// formatting happens in this module.  (On the H200 build machine, an integer streamed into a
-// TORCH_CHECK message from this module crashed the process; see bench/NOTES.md.)
+// formatting happens in this module.  (NOTE: with the GPU build's torch, an integer streamed
+// into a TORCH_CHECK message from this module crashed the process.)
 #define KVQ_CHECK(cond, ...) TORCH_CHECK(cond, ::kvq::msg(__VA_ARGS__))
 #define KVQ_CHECK_ARG(cond, op, arg, ...) KVQ_CHECK(cond, "kvq.", op, ": argument '", arg, "' ", __VA_ARGS__)
 
