@@ -196,6 +196,30 @@ at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS) {
   return c.out;
 }
 
+// ---- paged KV ----
+at::Tensor paged_decode_plan_cuda(const at::Tensor& seq_lens, const at::Tensor& comp_lens, int64_t max_items) {
+  c10::cuda::CUDAGuard guard(seq_lens.device());
+  at::Tensor work = paged_decode_plan_prepare(seq_lens, comp_lens, max_items);
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL("paged_decode_plan",
+                attention::paged_decode_plan_cuda(seq_lens.data_ptr<int32_t>(), comp_lens.data_ptr<int32_t>(),
+                                                  seq_lens.size(0), max_items, work.data_ptr<int32_t>(), stream));
+  return work;
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cuda(KVQ_PAGED_ATTN_ARGS) {
+  c10::cuda::CUDAGuard guard(q.device());
+  PagedAttentionCall c = prepare_paged_decode_attention(q, k_fp, v_fp, k_codes, k_scale, k_zero, v_codes, v_scale,
+                                                        v_zero, block_table, seq_lens, comp_lens, work, bits,
+                                                        k_per_channel, v_per_channel, scale);
+  auto& p = c.params;
+  c.ws = at::empty({p.Hq * p.paged.max_items * (p.D + 2)}, c.q.options().dtype(at::kFloat));
+  p.ws = c.ws.data_ptr<float>();
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL("paged_decode_attention", attention::paged_decode_attention_cuda(p, dtype_id(c.q.scalar_type()), stream));
+  return {c.out, c.lse};
+}
+
 }  // namespace kvq
 
 TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
@@ -216,4 +240,6 @@ TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
   m.impl("decode_attention_gear", &kvq::decode_attention_gear_cuda);
   m.impl("decode_attention_hqmq", &kvq::decode_attention_hqmq_cuda);
   // ---- end decode attention CUDA impls ----
+  m.impl("paged_decode_plan", &kvq::paged_decode_plan_cuda);
+  m.impl("paged_decode_attention", &kvq::paged_decode_attention_cuda);
 }

@@ -235,4 +235,33 @@ at::Tensor decode_attention_hqmq_cpu(KVQ_DECODE_ATTN_HQMQ_ARGS);
 at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS);
 #endif
 
+// ----- paged KV (csrc/paged.cpp) -----
+void paged_append(const at::Tensor& k_fp, const at::Tensor& v_fp, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_codes,
+                  const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_zero,
+                  const std::optional<at::Tensor>& v_codes, const std::optional<at::Tensor>& v_scale,
+                  const std::optional<at::Tensor>& v_zero, const std::optional<at::Tensor>& compress_src,
+                  const std::optional<at::Tensor>& compress_dst, int64_t bits, bool k_per_channel,
+                  bool v_per_channel);
+/// Validated arguments and the (uninitialised) work tensor of a plan call.
+at::Tensor paged_decode_plan_prepare(const at::Tensor& seq_lens, const at::Tensor& comp_lens, int64_t max_items);
+at::Tensor paged_decode_plan_cpu(const at::Tensor& seq_lens, const at::Tensor& comp_lens, int64_t max_items);
+struct PagedAttentionCall {
+  at::Tensor q, out, lse, ws;
+  attention::DecodeAttnParams params;
+};
+#define KVQ_PAGED_ATTN_ARGS                                                                            \
+  const at::Tensor &q, const at::Tensor &k_fp, const at::Tensor &v_fp, const std::optional<at::Tensor>&k_codes, \
+      const std::optional<at::Tensor>&k_scale, const std::optional<at::Tensor>&k_zero,                 \
+      const std::optional<at::Tensor>&v_codes, const std::optional<at::Tensor>&v_scale,                \
+      const std::optional<at::Tensor>&v_zero, const at::Tensor &block_table, const at::Tensor &seq_lens, \
+      const at::Tensor &comp_lens, const at::Tensor &work, int64_t bits, bool k_per_channel, bool v_per_channel, \
+      double scale
+PagedAttentionCall prepare_paged_decode_attention(KVQ_PAGED_ATTN_ARGS);
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARGS);
+#ifdef KVQ_WITH_CUDA
+at::Tensor paged_decode_plan_cuda(const at::Tensor& seq_lens, const at::Tensor& comp_lens, int64_t max_items);
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cuda(KVQ_PAGED_ATTN_ARGS);
+#endif
+
 }  // namespace kvq

@@ -67,7 +67,28 @@ TORCH_LIBRARY(kvq, m) {
         " Tensor v_outliers, Tensor v_outlier_ptr, Tensor? mask, int k_radius_bits, int v_radius_bits,"
         " float scale) -> Tensor");
   // ---- end decode attention ops ----
+  // ---- paged KV ops (layout: paged_decode_attention.h, docs/serving.md) ----
+  // Pools [pages, H, P, ...]: full precision k_fp / v_fp [pages, H, P, D]; compressed codes int32
+  // [pages, H, P, D*bits/32], scale / zero fp16 in kvq.quantize's layout of one [1, H, P, D] block.
+  // paged_append: token i of k / v [N, H, D] goes to full-precision page slot // P, row slot % P;
+  // then the full-precision pages compress_src are quantized into the compressed pages compress_dst.
+  m.def("paged_append(Tensor(a!) k_fp, Tensor(b!) v_fp, Tensor k, Tensor v, Tensor slot_mapping,"
+        " Tensor(c!)? k_codes=None, Tensor(d!)? k_scale=None, Tensor(e!)? k_zero=None, Tensor(f!)? v_codes=None,"
+        " Tensor(g!)? v_scale=None, Tensor(h!)? v_zero=None, Tensor? compress_src=None,"
+        " Tensor? compress_dst=None, int bits=2, bool k_per_channel=True, bool v_per_channel=False) -> ()");
+  // int32 seq_lens / comp_lens [num_seqs] (device) -> int32 work list (PagedWork) of <= max_items items.
+  m.def("paged_decode_plan(Tensor seq_lens, Tensor comp_lens, int max_items) -> Tensor");
+  // q [num_seqs, Hq, D]; block_table int32 [num_seqs, max_pages]; -> out [num_seqs, Hq, D],
+  // lse fp32 [num_seqs, Hq] (natural log of the softmax denominator of the scaled scores).
+  m.def("paged_decode_attention(Tensor q, Tensor k_fp, Tensor v_fp, Tensor? k_codes, Tensor? k_scale,"
+        " Tensor? k_zero, Tensor? v_codes, Tensor? v_scale, Tensor? v_zero, Tensor block_table, Tensor seq_lens,"
+        " Tensor comp_lens, Tensor work, int bits, bool k_per_channel, bool v_per_channel, float scale)"
+        " -> (Tensor out, Tensor lse)");
+  // ---- end paged KV ops ----
 }
+
+// paged_append is a composition of ATen ops and kvq.quantize: one implementation serves every device.
+TORCH_LIBRARY_IMPL(kvq, CompositeExplicitAutograd, m) { m.impl("paged_append", &kvq::paged_append); }
 
 TORCH_LIBRARY_IMPL(kvq, CPU, m) {
   m.impl("quantize", &kvq::quantize_cpu);
@@ -87,4 +108,6 @@ TORCH_LIBRARY_IMPL(kvq, CPU, m) {
   m.impl("decode_attention_gear", &kvq::decode_attention_gear_cpu);
   m.impl("decode_attention_hqmq", &kvq::decode_attention_hqmq_cpu);
   // ---- end decode attention CPU impls ----
+  m.impl("paged_decode_plan", &kvq::paged_decode_plan_cpu);
+  m.impl("paged_decode_attention", &kvq::paged_decode_attention_cpu);
 }

@@ -107,3 +107,20 @@ int decode_attention_hqmq_splits(const HqmqAttnParams& p, DTypeId dtype);
 cudaError_t decode_attention_hqmq_cuda(const HqmqAttnParams& p, DTypeId dtype, cudaStream_t stream);
 }  // namespace attention
 }  // namespace kvq
+
+// ---- paged decode attention (csrc/cuda/paged_decode_attention_kernels.cu) ----
+namespace kvq {
+namespace attention {
+/// \brief Write the work list (PagedWork{max_items, num_seqs} ints at `work`) of a batch from its
+/// device lengths; max_items >= paged_min_items(num_seqs).  One small kernel, no host sync.
+cudaError_t paged_decode_plan_cuda(const int32_t* seq_lens, const int32_t* comp_lens, int64_t num_seqs,
+                                   int64_t max_items, int32_t* work, cudaStream_t stream);
+/// \brief Does the tensor-core path read these pages?  (fp16 / bf16, a compressed pool, and
+/// decode_attention_mma_ok's formats and alignment; pages of whole 32-token tiles.)
+bool paged_decode_attention_mma_ok(const DecodeAttnParams& p, DTypeId dtype);
+/// \brief Resident CTAs per SM of the split kernel that will run p (to size max_items).
+int paged_decode_attention_occupancy(const DecodeAttnParams& p, DTypeId dtype);
+/// \brief Paged decode attention (p.paged set; p.ws holds Hq * max_items * (D + 2) floats).
+cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream);
+}  // namespace attention
+}  // namespace kvq

@@ -13,6 +13,7 @@ from . import _ops as ops  # noqa: F401  (registers torch.ops.kvq.* and their fa
 from ._ops import dequantize, quantize
 from .attention import decode_attention
 from .cache import KVCache
+from .paged import PagedKVCache
 from ._ops import hqmq_decode, hqmq_encode  # noqa: E402
 from .config import HQMQConfig  # noqa: E402
 from .hqmq import HQMQCompressed, HQMQStream, hqmq_secondary  # noqa: E402
@@ -57,7 +58,7 @@ def __getattr__(name: str):
 __all__ = [
     "HQMQCompressed", "HQMQConfig", "HQMQStream", "hqmq_decode", "hqmq_encode", "hqmq_secondary",
     "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
-    "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PerTokenIntConfig",
+    "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PagedKVCache", "PerTokenIntConfig",
     "QuantSpec", "compress", "decode_attention", "dequantize", "get_config", "quantize", "register_preset",
     "GEARCompressed", "GEARConfig", "GEARStream", "gear_compress", "gear_decompress",
     "lowrank_power_iter", "outlier_count", "outlier_index_dtype", "outlier_select",

@@ -302,3 +302,65 @@ def _decode_attention_hqmq_fake(q, k_codes, k_scale, k_secondary, k_outliers, k_
                                 v_codes, v_scale, v_secondary, v_outliers, v_outlier_ptr, mask,
                                 k_radius_bits, v_radius_bits, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------- paged KV
+def paged_append(k_fp, v_fp, k, v, slot_mapping, k_codes=None, k_scale=None, k_zero=None, v_codes=None,
+                 v_scale=None, v_zero=None, compress_src=None, compress_dst=None, bits=2,
+                 k_per_channel=True, v_per_channel=False) -> None:
+    """Write tokens into full-precision pages and compress full pages (in place).
+
+    ``k, v [N, H, D]``: token i goes to page ``slot_mapping[i] // P``, row ``slot_mapping[i] % P``
+    of ``k_fp, v_fp [pages, H, P, D]``.  Then the full-precision pages ``compress_src`` (int64
+    ``[M]``) are quantized into the compressed pages ``compress_dst`` of the pools ``k_codes``
+    (int32 ``[pages, H, P, D*bits/32]``), ``k_scale`` / ``k_zero`` (fp16, kvq.quantize's layout
+    of one ``[1, H, P, D]`` block) and the value pools likewise.  No host synchronisation."""
+    torch.ops.kvq.paged_append.default(k_fp, v_fp, k, v, slot_mapping, k_codes, k_scale, k_zero, v_codes,
+                                       v_scale, v_zero, compress_src, compress_dst, bits, k_per_channel,
+                                       v_per_channel)
+
+
+def paged_decode_plan(seq_lens: torch.Tensor, comp_lens: torch.Tensor, max_items: int) -> torch.Tensor:
+    """Work list of a batch (int32, on the lengths' device): which (sequence, token range) each
+    CTA of :func:`paged_decode_attention` takes.  ``seq_lens`` / ``comp_lens`` int32 ``[num_seqs]``
+    (tokens, and of them compressed: a multiple of the page size).  ``max_items`` >=
+    ``2 num_seqs + 2`` bounds the items (and the launch grid); compute once per batch and reuse
+    it for every layer.  Reads the lengths on the device: a CUDA graph that captured it stays
+    valid when they change."""
+    return torch.ops.kvq.paged_decode_plan.default(seq_lens, comp_lens, max_items)
+
+
+def paged_decode_attention(q, k_fp, v_fp, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                           seq_lens, comp_lens, work, bits: int, k_per_channel: bool, v_per_channel: bool,
+                           scale: float):
+    """Decode attention of ``q [num_seqs, Hq, D]`` over paged caches of different lengths.
+
+    Returns ``(out [num_seqs, Hq, D], lse float32 [num_seqs, Hq])``; ``lse`` is the natural log
+    of the softmax denominator of the scaled scores (-inf for an empty sequence), so partial
+    results over disjoint token sets merge exactly.  Layout: docs/serving.md."""
+    return torch.ops.kvq.paged_decode_attention.default(q, k_fp, v_fp, k_codes, k_scale, k_zero, v_codes,
+                                                        v_scale, v_zero, block_table, seq_lens, comp_lens,
+                                                        work, bits, k_per_channel, v_per_channel, scale)
+
+
+def paged_work_size(num_seqs: int, max_items: int) -> int:
+    """Length of the int32 work list of :func:`paged_decode_plan`."""
+    return 4 + 3 * max_items + 2 * num_seqs
+
+
+@torch.library.register_fake("kvq::paged_append")
+def _paged_append_fake(k_fp, v_fp, k, v, slot_mapping, k_codes=None, k_scale=None, k_zero=None, v_codes=None,
+                       v_scale=None, v_zero=None, compress_src=None, compress_dst=None, bits=2,
+                       k_per_channel=True, v_per_channel=False):
+    return None
+
+
+@torch.library.register_fake("kvq::paged_decode_plan")
+def _paged_decode_plan_fake(seq_lens, comp_lens, max_items):
+    return seq_lens.new_empty((paged_work_size(seq_lens.shape[0], max_items),), dtype=torch.int32)
+
+
+@torch.library.register_fake("kvq::paged_decode_attention")
+def _paged_decode_attention_fake(q, k_fp, v_fp, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                                 seq_lens, comp_lens, work, bits, k_per_channel, v_per_channel, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)

@@ -514,7 +514,9 @@ __device__ __forceinline__ void gear_cta_fill(const DecodeAttnParams& p, int64_t
   }
 }
 
-template <typename DType, int D, int BITS, bool KPC, bool GEAR, int NGV>
+/// PAGED: p.paged.block_table is set and b is a sequence index; every tile's addresses come from
+/// its page (tiles never straddle pages: P and t_begin are multiples of kTile, GEAR is off).
+template <typename DType, int D, int BITS, bool KPC, bool GEAR, int NGV, bool PAGED = false>
 __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin,
                          int64_t t_end, int warp, float* slot, char* ring, char* gscr, const float* s_q,
                          const char* gcta) {
@@ -605,10 +607,23 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
   const int64_t k_row0 = KPC ? (first / kgroup) * D : first * ngk;
   const uint16_t* is_ks = kscale + k_row0;
   const uint16_t* is_kz = kzero + k_row0;
+  // paged: this sequence's block-table row; page index and row of a token are a shift and a mask
+  const int32_t* bt = PAGED ? p.paged.block_table + b * p.paged.bt_stride : nullptr;
+  const int pshift = p.paged.page_shift, prmask = (1 << pshift) - 1;
   auto issue = [&](int k) {
     if (k < ntiles) {
       const int64_t t0 = is_t0;
       char* st = ring + is_stage * TL::BYTES;
+      if constexpr (PAGED) {  // the tile's rows of its page
+        const int64_t pg = __ldg(bt + (int)(t0 >> pshift));
+        const int r = (int)t0 & prmask;
+        is_kc = K.codes + pg * K.codes_sb + h * K.codes_sh + r * WROW;
+        is_vc = V.codes + pg * V.codes_sb + h * V.codes_sh + r * WROW;
+        const int64_t vs0 = pg * V.scale_sb + h * V.scale_sh + r * ngv;
+        is_vs = V.scale + vs0, is_vz = V.zero + vs0;
+        const int64_t ks0 = pg * K.scale_sb + h * K.scale_sh + (KPC ? (int64_t)(r / kgroup) * D : (int64_t)r * ngk);
+        is_ks = K.scale + ks0, is_kz = K.zero + ks0;
+      }
       warp_copy_async<TL::CODES>(st + TL::KC_OFF, is_kc, TL::CODES, lane);
       warp_copy_async<TL::CODES>(st + TL::VC_OFF, is_vc, TL::CODES, lane);
       if constexpr (KPC) {
@@ -620,12 +635,15 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
       }
       warp_copy_async<TL::VS>(st + TL::VS_OFF, is_vs, kTile * ngv * 2, lane);
       warp_copy_async<TL::VS>(st + TL::VZ_OFF, is_vz, kTile * ngv * 2, lane);
-      is_t0 += kStep, is_kc += kStep * WROW, is_vc += kStep * WROW, is_vs += kStep * ngv, is_vz += kStep * ngv;
-      if constexpr (KPC) {
-        const int64_t row = kgstep ? (int64_t)kgstep * D : (is_t0 / kgroup - t0 / kgroup) * D;
-        is_ks += row, is_kz += row;
-      } else {
-        is_ks += kStep * ngk, is_kz += kStep * ngk;
+      is_t0 += kStep;
+      if constexpr (!PAGED) {
+        is_kc += kStep * WROW, is_vc += kStep * WROW, is_vs += kStep * ngv, is_vz += kStep * ngv;
+        if constexpr (KPC) {
+          const int64_t row = kgstep ? (int64_t)kgstep * D : (is_t0 / kgroup - t0 / kgroup) * D;
+          is_ks += row, is_kz += row;
+        } else {
+          is_ks += kStep * ngk, is_kz += kStep * ngk;
+        }
       }
       is_stage = is_stage + 1 == TL::STAGES ? 0 : is_stage + 1;
       if constexpr (GEAR) {
@@ -1255,33 +1273,43 @@ __device__ void warp_mma(const DecodeAttnParams& p, int64_t b, int64_t h, int g,
 // ---------------------------------------------------------------------------
 // Generic path: tokens [t_begin, t_end), any mix of quantized and residual tokens.
 // ---------------------------------------------------------------------------
+/// This lane's D / 32 elements of row `row` of batch (or page) `pb` of a quantized store.
+template <typename DType, int D>
+__device__ __forceinline__ void load_quant_row(const QuantKV& s, int64_t pb, int64_t h, int row, int lane,
+                                               float (&x)[D / 32]) {
+  constexpr int EPL = D / 32;
+  // dequant_at with cheaper index arithmetic: 32-bit token and group indices, shifts
+  // instead of divisions by the code width
+  const int bits = s.bits;
+  const int lcpw = bits == 2 ? 4 : bits == 4 ? 3 : 2;  // log2(codes per word)
+  const int W = (D * bits) >> 5, c0 = lane * EPL, tt = row, G = (int)s.group;
+  const int32_t* r = s.codes + pb * s.codes_sb + h * s.codes_sh + (int64_t)tt * W;
+  const int64_t base = pb * s.scale_sb + h * s.scale_sh;
+  const uint32_t mask = (1u << bits) - 1u;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) {
+    const int ch = c0 + e;
+    const uint32_t w = (uint32_t)__ldg(r + (ch >> lcpw));
+    const uint32_t code = (w >> ((ch & ((1 << lcpw) - 1)) * bits)) & mask;
+    const int64_t si = base + (s.per_channel ? (int64_t)(tt / G) * D + ch : (int64_t)tt * (D / G) + ch / G);
+    x[e] = (float)code * half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.scale) + si)) +
+           half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.zero) + si));
+  }
+}
+/// This lane's D / 32 elements of row `row` of batch (or page) `pb` of the full-precision store.
+template <typename DType, int D>
+__device__ __forceinline__ void load_residual_row(const QuantKV& s, int64_t pb, int64_t h, int64_t row, int lane,
+                                                  float (&x)[D / 32]) {
+  constexpr int EPL = D / 32;
+  const DType* r = static_cast<const DType*>(s.residual) + pb * s.res_sb + h * s.res_sh + row * D;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) x[e] = to_float(r[lane * EPL + e]);
+}
 template <typename DType, int D>
 __device__ __forceinline__ void load_token(const QuantKV& s, int64_t b, int64_t h, int64_t t, int lane,
                                            float (&x)[D / 32]) {
-  constexpr int EPL = D / 32;
-  if (t < s.Tq) {
-    // dequant_at with cheaper index arithmetic: 32-bit token and group indices, shifts
-    // instead of divisions by the code width
-    const int bits = s.bits;
-    const int lcpw = bits == 2 ? 4 : bits == 4 ? 3 : 2;  // log2(codes per word)
-    const int W = (D * bits) >> 5, c0 = lane * EPL, tt = (int)t, G = (int)s.group;
-    const int32_t* row = s.codes + b * s.codes_sb + h * s.codes_sh + (int64_t)tt * W;
-    const int64_t base = b * s.scale_sb + h * s.scale_sh;
-    const uint32_t mask = (1u << bits) - 1u;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) {
-      const int ch = c0 + e;
-      const uint32_t w = (uint32_t)__ldg(row + (ch >> lcpw));
-      const uint32_t code = (w >> ((ch & ((1 << lcpw) - 1)) * bits)) & mask;
-      const int64_t si = base + (s.per_channel ? (int64_t)(tt / G) * D + ch : (int64_t)tt * (D / G) + ch / G);
-      x[e] = (float)code * half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.scale) + si)) +
-             half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.zero) + si));
-    }
-  } else {
-    const DType* r = static_cast<const DType*>(s.residual) + b * s.res_sb + h * s.res_sh + (t - s.Tq) * D;
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) x[e] = to_float(r[lane * EPL + e]);
-  }
+  if (t < s.Tq) load_quant_row<DType, D>(s, b, h, (int)t, lane, x);
+  else load_residual_row<DType, D>(s, b, h, t - s.Tq, lane, x);
 }
 
 /// Tokens per step of the generic loop: its K / V registers (2 * C * D / 32 floats) stay at 32

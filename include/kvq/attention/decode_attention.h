@@ -87,6 +87,23 @@ KVQ_HOST_DEVICE float gear_lowrank(const GearSeg& s, int64_t b, int64_t h, int64
   return acc;
 }
 
+/// \brief Paged storage of a cache layer (paged_decode_attention.h): when `block_table` is
+/// set, the batch index b of every QuantKV / residual address is a page id and token t of
+/// sequence s lives in page block_table[s, t / P] at row t % P (P = 1 << page_shift): in the
+/// compressed pool (QuantKV::codes / scale / zero, page stride codes_sb / scale_sb) for
+/// t < comp_lens[s], in the full-precision pool (QuantKV::residual, page stride res_sb) for
+/// comp_lens[s] <= t < seq_lens[s].  Lengths live on the device.
+struct PagedKV {
+  const int32_t* block_table = nullptr;  // [num_seqs, max_pages]
+  int64_t bt_stride = 0;                 // elements between sequences' rows
+  int page_shift = 5;
+  const int32_t* seq_lens = nullptr;   // [num_seqs]
+  const int32_t* comp_lens = nullptr;  // [num_seqs], multiples of P
+  const int32_t* work = nullptr;       // CUDA: the plan (PagedWork layout), see paged_decode_attention.h
+  int64_t max_items = 0;
+  float* lse = nullptr;                // optional [num_seqs, Hq] log-sum-exp (natural log) of the scores
+};
+
 /// \brief Decode attention call.  Workspace holds split partials (CUDA only).
 struct DecodeAttnParams {
   const void* q = nullptr;       // [B, Hq, D] contiguous, same dtype as the residuals
@@ -106,6 +123,7 @@ struct DecodeAttnParams {
   // decode_attention.cuh): acc [B * Hq, splits, D], then (m, l) [B * Hq, splits, 2]
   float* ws = nullptr;
   int splits = 0;
+  PagedKV paged;  // paged layers only (B = num_seqs; T = the longest sequence bound)
 };
 
 /// \brief Dequantized element (b, h, t, c) of a quantized store (t < Tq).

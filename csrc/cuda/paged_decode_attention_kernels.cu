@@ -1,0 +1,75 @@
+// Paged decode-attention entry points: the plan launch, the CUDA-core instantiations (every
+// token through the generic loop: fp32 caches, full-precision-only layers, layouts the
+// tensor-core path does not read) and dispatch to the tensor-core instantiations generated from
+// paged_decode_attention_mma_kernels.cu.in.  Kernels: include/kvq/attention/paged_decode_attention.cuh.
+#include "kvq/attention/paged_decode_attention.cuh"
+#include "kvq/cuda_api.h"
+#include "kvq/common/dispatch.h"
+
+namespace kvq {
+namespace attention {
+
+#define KVQ_DECLARE_PAGED_MMA(B)                                                                   \
+  cudaError_t paged_decode_attention_mma_b##B(const DecodeAttnParams&, DTypeId, cudaStream_t);     \
+  int paged_decode_attention_mma_occupancy_b##B(const DecodeAttnParams&, DTypeId);
+KVQ_DECLARE_PAGED_MMA(2)
+KVQ_DECLARE_PAGED_MMA(4)
+KVQ_DECLARE_PAGED_MMA(8)
+#undef KVQ_DECLARE_PAGED_MMA
+
+bool paged_decode_attention_mma_ok(const DecodeAttnParams& p, DTypeId dtype) {
+  if (!(dtype == DTypeId::kFloat16 || dtype == DTypeId::kBFloat16)) return false;
+  if (p.k.codes == nullptr || p.v.codes == nullptr) return false;  // no compressed pool
+  if (p.paged.page_shift < 5) return false;  // pages of whole 32-token tiles
+  if (p.k.per_channel && ((int64_t(1) << p.paged.page_shift) % p.k.group) != 0) return false;
+  return decode_attention_mma_ok(p);
+}
+
+cudaError_t paged_decode_plan_cuda(const int32_t* seq_lens, const int32_t* comp_lens, int64_t num_seqs,
+                                   int64_t max_items, int32_t* work, cudaStream_t stream) {
+  if (max_items < paged_min_items(num_seqs)) return cudaErrorInvalidValue;
+  return LaunchPagedDecodePlan(seq_lens, comp_lens, num_seqs, max_items, work, stream);
+}
+
+#define KVQ_PAGED_GENERIC(EXPR)                    \
+  switch (p.D) {                                   \
+    case 32: return EXPR(32);                      \
+    case 64: return EXPR(64);                      \
+    case 128: return EXPR(128);                    \
+    case 256: return EXPR(256);                    \
+    default: return EXPR(0);                       \
+  }
+
+int paged_decode_attention_occupancy(const DecodeAttnParams& p, DTypeId dtype) {
+  if (paged_decode_attention_mma_ok(p, dtype)) {
+    switch (p.k.bits) {
+      case 2: return paged_decode_attention_mma_occupancy_b2(p, dtype);
+      case 4: return paged_decode_attention_mma_occupancy_b4(p, dtype);
+      case 8: return paged_decode_attention_mma_occupancy_b8(p, dtype);
+      default: return 0;
+    }
+  }
+  const int g = (int)(p.Hq / p.H);
+#define KVQ_OCC(D) (D == 0 ? 0 : PagedDecodeAttentionOccupancy<DType, (D == 0 ? 32 : D), 2, true, false>(g))
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> int { KVQ_PAGED_GENERIC(KVQ_OCC) });
+#undef KVQ_OCC
+}
+
+cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream) {
+  if (p.paged.block_table == nullptr || p.paged.work == nullptr) return cudaErrorInvalidValue;
+  if (paged_decode_attention_mma_ok(p, dtype)) {
+    switch (p.k.bits) {
+      case 2: return paged_decode_attention_mma_b2(p, dtype, stream);
+      case 4: return paged_decode_attention_mma_b4(p, dtype, stream);
+      case 8: return paged_decode_attention_mma_b8(p, dtype, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+#define KVQ_LAUNCH(D) \
+  (D == 0 ? cudaErrorInvalidValue : LaunchPagedDecodeAttention<DType, (D == 0 ? 32 : D), 2, true, false>(p, stream))
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t { KVQ_PAGED_GENERIC(KVQ_LAUNCH) });
+#undef KVQ_LAUNCH
+}
+
+}  // namespace attention
+}  // namespace kvq

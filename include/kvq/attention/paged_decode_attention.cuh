@@ -1,0 +1,247 @@
+// Paged decode attention on CUDA: plan, split and combine kernels.  Torch-free.  Storage and
+// work-list layout: paged_decode_attention.h.
+//
+// plan    one CTA reads seq_lens / comp_lens (device), picks the chunk sizes (paged_chunks)
+//         and writes the work list: no host synchronisation, so a captured CUDA graph stays
+//         valid when the lengths change.  Run once per batch; every layer reuses it.
+// split   grid (H, max_items): CTA (h, item) runs KV head h over the item's token range with the
+//         decode mainloop of decode_attention.cuh -- compressed tokens through the tensor-core
+//         path (warp_mma, its tile addresses from the block table), full-precision tokens
+//         through the CUDA-core loop, split over the CTA's warps -- and writes its partial
+//         (m, l, acc) of the g query heads to the workspace [Hq, max_items, D] (+ (m, l)).
+//         CTAs past the plan's item count return at once.
+// combine one CTA per (sequence, query head) merges the sequence's items (a programmatic
+//         dependent launch) and writes out (and the log-sum-exp).
+#pragma once
+#include "kvq/attention/decode_attention.cuh"
+#include "kvq/attention/paged_decode_attention.h"
+
+namespace kvq {
+namespace attention {
+
+constexpr int kPlanThreads = 256;
+static_assert(kPagedMaxGroup == kMaxGroup, "the CUDA-core kernels take kMaxGroup heads");
+
+/// \brief The plan (paged_plan_host's list) on the device, one CTA of kPlanThreads threads.
+__global__ void __launch_bounds__(kPlanThreads) PagedDecodePlanKernel(const int32_t* seq_lens, const int32_t* comp_lens,
+                                                                      int64_t num_seqs, int64_t max_items,
+                                                                      int32_t* work) {
+  __shared__ long long s_red[2][kPlanThreads / 32];
+  __shared__ int s_scan[kPlanThreads / 32];
+  __shared__ int s_carry;
+  const int tid = threadIdx.x, lane = tid % 32, wid = tid / 32;
+  const PagedWork wl{max_items, num_seqs};
+  long long tc = 0, tf = 0;
+  for (int64_t s = tid; s < num_seqs; s += kPlanThreads) {
+    const int64_t len = seq_lens[s] > 0 ? seq_lens[s] : 0, c = paged_comp_len(len, comp_lens[s]);
+    tc += c, tf += len - c;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tc += __shfl_xor_sync(0xffffffffu, tc, o), tf += __shfl_xor_sync(0xffffffffu, tf, o);
+  if (lane == 0) s_red[0][wid] = tc, s_red[1][wid] = tf;
+  if (tid == 0) s_carry = 0;
+  __syncthreads();
+  tc = 0, tf = 0;
+#pragma unroll
+  for (int w = 0; w < kPlanThreads / 32; ++w) tc += s_red[0][w], tf += s_red[1][w];
+  int64_t cc = 0, cf = 0;
+  paged_chunks(tc, tf, num_seqs, max_items, cc, cf);
+  // exclusive scan of the items per sequence, kPlanThreads sequences at a time
+  for (int64_t base = 0; base < num_seqs; base += kPlanThreads) {
+    const int64_t s = base + tid;
+    const int64_t len = s < num_seqs ? (seq_lens[s] > 0 ? seq_lens[s] : 0) : 0;
+    const int64_t comp = s < num_seqs ? comp_lens[s] : 0;
+    const int ni = s < num_seqs ? (int)paged_seq_items(len, comp, cc, cf) : 0;
+    int incl = ni;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
+    }
+    if (lane == 31) s_scan[wid] = incl;
+    __syncthreads();
+    int before = s_carry;
+    for (int w = 0; w < wid; ++w) before += s_scan[w];
+    const int first = before + incl - ni;
+    if (s < num_seqs) {
+      work[wl.seq_first(s)] = first;
+      work[wl.seq_count(s)] = ni;
+      for (int j = 0; j < ni; ++j) {
+        int64_t t0 = 0, t1 = 0;
+        paged_seq_item(len, comp, cc, cf, j, t0, t1);
+        work[wl.item_seq(first + j)] = (int32_t)s;
+        work[wl.item_t0(first + j)] = (int32_t)t0;
+        work[wl.item_t1(first + j)] = (int32_t)t1;
+      }
+    }
+    __syncthreads();
+    if (tid == kPlanThreads - 1) s_carry = first + ni;
+    __syncthreads();
+  }
+  if (tid == 0) work[0] = s_carry, work[1] = (int32_t)cc, work[2] = (int32_t)cf, work[3] = 0;
+}
+
+inline cudaError_t LaunchPagedDecodePlan(const int32_t* seq_lens, const int32_t* comp_lens, int64_t num_seqs,
+                                         int64_t max_items, int32_t* work, cudaStream_t stream) {
+  PagedDecodePlanKernel<<<1, kPlanThreads, 0, stream>>>(seq_lens, comp_lens, num_seqs, max_items, work);
+  return cudaGetLastError();
+}
+
+/// \brief Split kernel: CTA (h = blockIdx.x, item = blockIdx.y).  MMA: compressed tokens on
+/// the tensor cores (decode_attention_mma_ok holds for p); otherwise every token goes through
+/// the CUDA-core loop (up to kMaxGroup query heads per KV head).
+template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0>
+__global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1) PagedDecodeAttentionKernel(DecodeAttnParams p) {
+  pdl_allow_dependents();
+  const int32_t* work = p.paged.work;
+  const int64_t item = blockIdx.y, h = blockIdx.x;
+  if (item >= work[0]) return;  // uniform per CTA
+  extern __shared__ __align__(16) char smem[];
+  const PagedWork wl{p.paged.max_items, p.B};
+  const int64_t s = work[wl.item_seq(item)], t_begin = work[wl.item_t0(item)], t_end = work[wl.item_t1(item)];
+  const int64_t len = p.paged.seq_lens[s] > 0 ? p.paged.seq_lens[s] : 0;
+  const int64_t comp = paged_comp_len(len, p.paged.comp_lens[s]);
+  const int g = (int)(p.Hq / p.H);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
+  const size_t qbytes = head_region_bytes<MMA, false>(g, D);
+  const size_t wbytes = warp_region_bytes<D, BITS, KPC, MMA, false, sizeof(DType)>(g);
+  char* region = smem + qbytes + warp * wbytes;
+  float* slot = reinterpret_cast<float*>(region);
+  const int64_t m_end = MMA ? (t_end < comp ? t_end : comp) : t_begin;
+  bool have_mma = false;
+  if constexpr (MMA) {
+    if (t_begin < m_end) {
+      warp_mma<DType, D, BITS, KPC, false, NGV, true>(p, s, h, g, t_begin, m_end, warp, slot, region, nullptr, s_q,
+                                                      nullptr);
+      have_mma = true;
+    }
+  }
+  if (!have_mma) {
+    for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
+    __syncwarp();
+  }
+  const int64_t a = m_end > t_begin ? m_end : t_begin;  // past the tensor-core part
+  if (a < t_end) {  // uniform per CTA: the rest of the range, split over the warps
+    const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
+    for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
+    __syncthreads();
+    const int64_t per = (t_end - a + kWarps - 1) / kWarps;
+    const int64_t wa = a + warp * per, we = wa + per < t_end ? wa + per : t_end;
+    const int32_t* bt = p.paged.block_table + s * p.paged.bt_stride;
+    const int ps = p.paged.page_shift, pm = (1 << ps) - 1;
+    constexpr int kChunk = MMA ? generic_chunk<D>() : (generic_chunk<D>() + 1) / 2;
+    if (wa < we)
+      warp_generic_loop<D, MMA ? 8 : kMaxGroup, kChunk>(
+          nullptr, 0, p.scale, s, g, wa, we, slot, s_q, [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
+            const int64_t pg = __ldg(bt + (int)(t >> ps));
+            const int r = (int)t & pm;
+            if (t < comp) {
+              load_quant_row<DType, D>(p.k, pg, h, r, lane, kx);
+              load_quant_row<DType, D>(p.v, pg, h, r, lane, vx);
+            } else {
+              load_residual_row<DType, D>(p.k, pg, h, r, lane, kx);
+              load_residual_row<DType, D>(p.v, pg, h, r, lane, vx);
+            }
+          });
+  }
+  __syncthreads();
+  // partial rows (h g + j) of split `item`: the workspace is [Hq, max_items, D] + (m, l)
+  const SplitWs ws(p.ws, p.Hq, p.paged.max_items, D);
+  write_split_partial<D, kWarps>(ws, smem + qbytes, wbytes, h * g, g, p.paged.max_items, (int)item);
+}
+
+/// \brief Combine: CTA (sequence s, query head hq) = blockIdx.x / Hq, % Hq merges the partials
+/// of the sequence's items in item order (max_items splits per row of the workspace).
+template <typename DType, int D>
+__global__ void PagedDecodeCombineKernel(const float* ws, const int32_t* work, void* out, float* lse, int64_t num_seqs,
+                                         int64_t Hq, int64_t max_items) {
+  pdl_wait_prerequisites();
+  const int64_t s = blockIdx.x / Hq, hq = blockIdx.x % Hq;
+  const PagedWork wl{max_items, num_seqs};
+  const int64_t first = work[wl.seq_first(s)], cnt = work[wl.seq_count(s)];
+  const SplitWs sw(const_cast<float*>(ws), Hq, max_items, D);
+  const int64_t row = hq * max_items + first;
+  float M = -INFINITY;
+  for (int64_t j = 0; j < cnt; ++j) M = fmaxf(M, __ldcg(&sw.ml[row + j].x));
+  float L = 0.f;
+  constexpr int DV = D / 4;
+  const int x = threadIdx.x;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int64_t j = 0; j < cnt; ++j) {
+    const float2 ml = __ldcg(&sw.ml[row + j]);
+    const float w = M == -INFINITY ? 0.f : exp2f(ml.x - M);
+    L += w * ml.y;
+    if (x < DV) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(sw.acc + (row + j) * D) + x);
+      acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+    }
+  }
+  if (x < DV) {
+    DType* o = static_cast<DType*>(out) + (s * Hq + hq) * D + 4 * x;
+    o[0] = from_float<DType>(L > 0.f ? acc.x / L : 0.f);
+    o[1] = from_float<DType>(L > 0.f ? acc.y / L : 0.f);
+    o[2] = from_float<DType>(L > 0.f ? acc.z / L : 0.f);
+    o[3] = from_float<DType>(L > 0.f ? acc.w / L : 0.f);
+  }
+  if (x == 0 && lse != nullptr) lse[s * Hq + hq] = L > 0.f ? (M + log2f(L)) * 0.69314718055994531f : -INFINITY;
+}
+
+/// \brief Shared memory of a paged split kernel instantiation (as the contiguous one, no GEAR).
+template <typename DType, int D, int BITS, bool KPC, bool MMA>
+size_t paged_decode_smem_bytes(int g) {
+  return decode_attention_smem_bytes<D, BITS, KPC, MMA, false, sizeof(DType)>(g);
+}
+
+/// \brief Split kernel + combine for one instantiation.  p.paged.work holds the plan; p.ws
+/// Hq * max_items * (D + 2) floats (16-byte aligned).
+template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0>
+cudaError_t LaunchPagedDecodeAttention(const DecodeAttnParams& p, cudaStream_t stream) {
+  auto kernel = PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV>;
+  const int g = (int)(p.Hq / p.H);
+  const size_t smem = paged_decode_smem_bytes<DType, D, BITS, KPC, MMA>(g);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  if (reinterpret_cast<uintptr_t>(p.ws) % 16 != 0) return cudaErrorMisalignedAddress;
+  if (p.paged.max_items <= 0 || p.paged.max_items > 65535) return cudaErrorInvalidValue;
+  kernel<<<dim3((unsigned)p.H, (unsigned)p.paged.max_items), kWarps * 32, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  auto combine = PagedDecodeCombineKernel<DType, D>;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)(p.B * p.Hq));
+  cfg.blockDim = dim3(D / 4 > 32 ? D / 4 : 32);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const float* ws = p.ws;
+  const int32_t* work = p.paged.work;
+  void* out = p.out;
+  float* lse = p.paged.lse;
+  const int64_t n = p.B, Hq = p.Hq, mi = p.paged.max_items;
+  if (cudaLaunchKernelEx(&cfg, combine, ws, work, out, lse, n, Hq, mi) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();
+  combine<<<cfg.gridDim, cfg.blockDim, 0, stream>>>(ws, work, out, lse, n, Hq, mi);
+  return cudaGetLastError();
+}
+
+/// \brief Resident CTAs per SM of a paged split kernel instantiation (0 on error).
+template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0>
+int PagedDecodeAttentionOccupancy(int g) {
+  auto kernel = PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV>;
+  const size_t smem = paged_decode_smem_bytes<DType, D, BITS, KPC, MMA>(g);
+  if (smem > 48 * 1024 &&
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
+    return 0;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem) != cudaSuccess) return 0;
+  return n;
+}
+
+}  // namespace attention
+}  // namespace kvq

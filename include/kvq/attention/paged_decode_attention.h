@@ -1,0 +1,175 @@
+// Paged decode attention (kvq.paged_decode_plan / kvq.paged_decode_attention): the work list
+// of a batch of sequences of different lengths, and the CPU twin.  Torch-free.
+//
+// Storage of one layer (docs/serving.md): two pools of pages of P tokens x H KV heads,
+//   compressed pool: per role codes int32 [pages, H, P, D * bits / 32], scale / zero fp16
+//     [pages, H, P / G, D] (keys per channel) or [pages, H, P, D / G] (per token) -- exactly
+//     kvq.quantize's output for a [1, H, P, D] block, page by page;
+//   full-precision pool: per role [pages, H, P, D] in the cache dtype.
+// Sequence s holds seq_lens[s] tokens; its first comp_lens[s] (a multiple of P) are compressed.
+// Logical page i of s is block_table[s, i]: an id into the compressed pool when
+// i < comp_lens[s] / P, into the full-precision pool otherwise.
+//
+// out[s, hq] = softmax_t(scale q[s, hq] . K[s, hq / g, t]) . V[s, hq / g, t] over
+// t < seq_lens[s]; an empty sequence gives zeros and lse = -inf.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "kvq/attention/decode_attention.h"
+
+namespace kvq {
+namespace attention {
+
+/// \brief Layout of the int32 work list written by the plan step and read by the split and
+/// combine kernels.  Items are (sequence, token range); the compressed tokens of a sequence
+/// come in chunks of `chunk_comp` tokens, its full-precision tokens in chunks of `chunk_fp`;
+/// a sequence's items are consecutive, sequences in order.
+///   [0] items  [1] chunk_comp  [2] chunk_fp  [3] 0
+///   item_seq [max_items], item_t0 [max_items], item_t1 [max_items],
+///   seq_first [num_seqs], seq_count [num_seqs]
+struct PagedWork {
+  static constexpr int64_t kHeader = 4;
+  int64_t max_items = 0, num_seqs = 0;
+  KVQ_HOST_DEVICE int64_t item_seq(int64_t i) const { return kHeader + i; }
+  KVQ_HOST_DEVICE int64_t item_t0(int64_t i) const { return kHeader + max_items + i; }
+  KVQ_HOST_DEVICE int64_t item_t1(int64_t i) const { return kHeader + 2 * max_items + i; }
+  KVQ_HOST_DEVICE int64_t seq_first(int64_t s) const { return kHeader + 3 * max_items + s; }
+  KVQ_HOST_DEVICE int64_t seq_count(int64_t s) const { return kHeader + 3 * max_items + num_seqs + s; }
+  KVQ_HOST_DEVICE int64_t size() const { return kHeader + 3 * max_items + 2 * num_seqs; }
+};
+
+/// Query heads per KV head one call takes (the CUDA-core kernels' limit; the tensor-core ones take 8).
+constexpr int kPagedMaxGroup = 16;
+
+/// Tokens of the compressed chunks are a multiple of this (kWarps tiles of 32) and at least
+/// kPagedMinChunk; full-precision chunks are a multiple of 32.
+constexpr int64_t kPagedChunkStep = 128;
+constexpr int64_t kPagedMinChunk = 256;
+constexpr int64_t kPagedFpStep = 32;
+
+/// The smallest work-list capacity the plan accepts for `num_seqs` sequences.
+KVQ_HOST_DEVICE int64_t paged_min_items(int64_t num_seqs) { return 2 * num_seqs + 2; }
+
+/// Compressed tokens of a sequence as the kernels read them: comp clamped to [0, len].
+KVQ_HOST_DEVICE int64_t paged_comp_len(int64_t len, int64_t comp) {
+  return comp < 0 ? 0 : (comp > len ? len : comp);
+}
+
+/// \brief Chunk sizes for a batch: half of the item budget (max_items - 2 num_seqs) for the
+/// compressed tokens, half for the full-precision ones.  Then every sequence takes at most
+/// ceil(c / cc) + ceil(f / cf) items and all of them fit: sum ceil(c_s / cc) <= total_c / cc +
+/// num_seqs <= budget / 2 + num_seqs, likewise for f.
+KVQ_HOST_DEVICE void paged_chunks(int64_t total_comp, int64_t total_fp, int64_t num_seqs, int64_t max_items,
+                                         int64_t& cc, int64_t& cf) {
+  int64_t budget = max_items - 2 * num_seqs;
+  if (budget < 2) budget = 2;
+  const int64_t bc = budget / 2, bf = budget - bc;
+  cc = (total_comp + bc - 1) / bc;
+  if (cc < kPagedMinChunk) cc = kPagedMinChunk;
+  cc = (cc + kPagedChunkStep - 1) / kPagedChunkStep * kPagedChunkStep;
+  cf = (total_fp + bf - 1) / bf;
+  if (cf < kPagedFpStep) cf = kPagedFpStep;
+  cf = (cf + kPagedFpStep - 1) / kPagedFpStep * kPagedFpStep;
+}
+
+/// \brief Items of one sequence of `len` tokens, `comp` of them compressed.
+KVQ_HOST_DEVICE int64_t paged_seq_items(int64_t len, int64_t comp, int64_t cc, int64_t cf) {
+  const int64_t c = paged_comp_len(len, comp), f = (len > 0 ? len : 0) - c;
+  return (c + cc - 1) / cc + (f + cf - 1) / cf;
+}
+
+/// \brief Item j of a sequence: its token range [t0, t1).
+KVQ_HOST_DEVICE void paged_seq_item(int64_t len, int64_t comp, int64_t cc, int64_t cf, int64_t j, int64_t& t0,
+                                           int64_t& t1) {
+  const int64_t c = paged_comp_len(len, comp), nc = (c + cc - 1) / cc;
+  if (j < nc) {
+    t0 = j * cc, t1 = t0 + cc < c ? t0 + cc : c;
+  } else {
+    t0 = c + (j - nc) * cf, t1 = t0 + cf < len ? t0 + cf : len;
+  }
+}
+
+/// \brief The plan on the host (the CPU op; the CUDA plan kernel writes the same list).
+/// `work` holds PagedWork{max_items, num_seqs}.size() ints; requires max_items >=
+/// paged_min_items(num_seqs).
+inline void paged_plan_host(const int32_t* seq_lens, const int32_t* comp_lens, int64_t num_seqs, int64_t max_items,
+                            int32_t* work) {
+  const PagedWork wl{max_items, num_seqs};
+  std::fill(work, work + wl.size(), 0);
+  int64_t tc = 0, tf = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = seq_lens[s] > 0 ? seq_lens[s] : 0, c = paged_comp_len(len, comp_lens[s]);
+    tc += c, tf += len - c;
+  }
+  int64_t cc = 0, cf = 0;
+  paged_chunks(tc, tf, num_seqs, max_items, cc, cf);
+  int64_t n = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t len = seq_lens[s] > 0 ? seq_lens[s] : 0, ni = paged_seq_items(len, comp_lens[s], cc, cf);
+    work[wl.seq_first(s)] = (int32_t)n;
+    work[wl.seq_count(s)] = (int32_t)ni;
+    for (int64_t j = 0; j < ni; ++j, ++n) {
+      int64_t t0 = 0, t1 = 0;
+      paged_seq_item(len, comp_lens[s], cc, cf, j, t0, t1);
+      work[wl.item_seq(n)] = (int32_t)s, work[wl.item_t0(n)] = (int32_t)t0, work[wl.item_t1(n)] = (int32_t)t1;
+    }
+  }
+  work[0] = (int32_t)n, work[1] = (int32_t)cc, work[2] = (int32_t)cf;
+}
+
+/// \brief CPU twin: attention of the g query heads of (sequence s, KV head h) in fp32, read
+/// through the block table.  `row` and `kbuf` are scratch (resized here).
+template <typename DType>
+void paged_decode_attention_cpu(const DecodeAttnParams& p, int64_t s, int64_t h, std::vector<float>& row,
+                                std::vector<float>& kbuf) {
+  const PagedKV& pg = p.paged;
+  const int64_t D = p.D, g = p.Hq / p.H;
+  const int64_t T = pg.seq_lens[s] > 0 ? pg.seq_lens[s] : 0, Tc = paged_comp_len(T, pg.comp_lens[s]);
+  const int64_t P = int64_t(1) << pg.page_shift;
+  const int32_t* bt = pg.block_table + s * pg.bt_stride;
+  const DType* q = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
+  DType* out = static_cast<DType*>(p.out) + (s * p.Hq + h * g) * D;
+  row.resize(g * (T > 0 ? T : 1));
+  kbuf.resize(D + 2 * g * D);
+  float* xt = kbuf.data();
+  float* qf = xt + D;
+  float* acc = qf + g * D;
+  for (int64_t i = 0; i < g * D; ++i) qf[i] = to_float(q[i]), acc[i] = 0.f;
+  auto load = [&](const QuantKV& st, int64_t t) {
+    const int64_t page = bt[t / P], r = t % P;
+    if (t < Tc) {
+      for (int64_t c = 0; c < D; ++c) xt[c] = dequant_at(st, page, h, r, c, D);
+    } else {
+      const DType* x = static_cast<const DType*>(st.residual) + page * st.res_sb + h * st.res_sh + r * D;
+      for (int64_t c = 0; c < D; ++c) xt[c] = to_float(x[c]);
+    }
+  };
+  std::vector<float> m(g, -INFINITY), l(g, 0.f);
+  for (int64_t t = 0; t < T; ++t) {
+    load(p.k, t);
+    for (int64_t j = 0; j < g; ++j) {
+      float sc = 0.f;
+      for (int64_t c = 0; c < D; ++c) sc += qf[j * D + c] * xt[c];
+      row[j * T + t] = sc * p.scale;
+      m[j] = std::fmax(m[j], row[j * T + t]);
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    load(p.v, t);
+    for (int64_t j = 0; j < g; ++j) {
+      const float e = std::exp(row[j * T + t] - m[j]);
+      l[j] += e;
+      for (int64_t c = 0; c < D; ++c) acc[j * D + c] += e * xt[c];
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) {
+    for (int64_t c = 0; c < D; ++c) out[j * D + c] = from_float<DType>(l[j] > 0.f ? acc[j * D + c] / l[j] : 0.f);
+    if (pg.lse != nullptr) pg.lse[s * p.Hq + h * g + j] = l[j] > 0.f ? m[j] + std::log(l[j]) : -INFINITY;
+  }
+}
+
+}  // namespace attention
+}  // namespace kvq

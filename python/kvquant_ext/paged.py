@@ -1,0 +1,370 @@
+"""``PagedKVCache``: a pool of pages of compressed and full-precision KV tokens shared by many
+sequences of different lengths (continuous batching), on the paged ops
+(:func:`kvquant_ext.ops.paged_append`, ``paged_decode_plan``, ``paged_decode_attention``).
+
+A page holds ``page_size`` (P) tokens of one layer and every KV head.  A sequence's tokens fill
+full-precision pages; a page that becomes full is compressed into a page of the compressed pool
+in the same call (never recompressed later), so a sequence is ``comp_len`` compressed tokens
+(whole pages) followed by fewer than P full-precision ones.  Page 0 of each pool is scratch:
+padding slots may point there, and no sequence ever owns it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import _ops
+from .config import CompressionConfig, FP16Config, GroupQuantConfig, QuantSpec, get_config
+
+__all__ = ["PagedKVCache"]
+
+
+def _paged_spec(spec: QuantSpec, page_size: int, head_dim: int) -> QuantSpec:
+    """The group spec of one page: whole-axis groups (-1) become the page (keys) or the head
+    dim (values); per-channel groups must divide the page."""
+    g = spec.group_size
+    if spec.per_channel:
+        g = page_size if g == -1 else g
+        if page_size % g:
+            raise ValueError(f"argument 'page_size' ({page_size}) must be a multiple of the key group size ({g})")
+    else:
+        g = head_dim if g == -1 else g
+        if head_dim % g:
+            raise ValueError(f"argument 'head_dim' ({head_dim}) must be a multiple of the group size ({g})")
+    return QuantSpec(spec.bits, g, spec.per_channel)
+
+
+@dataclass
+class _Seq:
+    length: int = 0
+    comp_pages: List[int] = field(default_factory=list)
+    fp_pages: List[int] = field(default_factory=list)
+
+
+class _Layer:
+    """The pools and the per-sequence page lists of one layer."""
+
+    def __init__(self, H, P, D, dtype, device, n_fp, n_comp, kspec, vspec):
+        self.k_fp = torch.zeros((n_fp, H, P, D), dtype=dtype, device=device)
+        self.v_fp = torch.zeros_like(self.k_fp)
+        self.free_fp = list(range(n_fp - 1, 0, -1))  # page 0: scratch
+        self.comp = None
+        self.free_comp: List[int] = []
+        if kspec is not None:
+            self.comp = {}
+            for role, spec in (("k", kspec), ("v", vspec)):
+                W = D * spec.bits // 32
+                sshape = (n_comp, H, P // spec.group_size, D) if spec.per_channel else (n_comp, H, P, D // spec.group_size)
+                self.comp[role] = (torch.zeros((n_comp, H, P, W), dtype=torch.int32, device=device),
+                                   torch.zeros(sshape, dtype=torch.float16, device=device),
+                                   torch.zeros(sshape, dtype=torch.float16, device=device))
+            self.free_comp = list(range(n_comp - 1, 0, -1))
+        self.seqs: Dict[int, _Seq] = {}
+
+    def comp_tensors(self):
+        if self.comp is None:
+            return (None,) * 6
+        return (*self.comp["k"], *self.comp["v"])
+
+
+class PagedKVCache:
+    """Paged compressed KV cache for many sequences (continuous batching).
+
+    Parameters
+    ----------
+    config : a :class:`~kvquant_ext.config.CompressionConfig` or preset name: ``fp16`` or a
+        group-quantization family (KIVI, KCVT, per-token INT, FlexGen).
+    num_layers, num_kv_heads, head_dim : the model's cache shape.
+    max_tokens : tokens of all live sequences together that the compressed pool holds
+        (the full-precision pool holds each sequence's last partial page, plus staging pages
+        for prompts).
+    dtype, device : of the full-precision pages and the queries.
+    page_size : P, a power of two >= 32 (default 128; a multiple of the key group size).
+    max_seqs : live sequences at once.
+    check_finite : raise on NaN/Inf in appended tokens (one check per append).
+    """
+
+    def __init__(self, config, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
+                 dtype: torch.dtype = torch.float16, device="cpu", page_size: int = 128, max_seqs: int = 256,
+                 check_finite: bool = True):
+        if isinstance(config, str):
+            config = get_config(config)
+        if not isinstance(config, CompressionConfig):
+            raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, got {type(config).__name__}")
+        if not isinstance(config, (FP16Config, GroupQuantConfig)):
+            raise NotImplementedError(f"PagedKVCache does not support {type(config).__name__} yet; supported: "
+                                      "fp16 and the group-quantization presets (KIVI, KCVT, per-token INT, FlexGen)")
+        for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("max_tokens", max_tokens),
+                        ("max_seqs", max_seqs)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"argument '{name}' must be a positive int, got {v!r}")
+        if head_dim not in (32, 64, 128, 256):
+            raise ValueError(f"argument 'head_dim' must be 32, 64, 128 or 256, got {head_dim!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 32 or page_size & (page_size - 1):
+            raise ValueError(f"argument 'page_size' must be a power of two >= 32, got {page_size!r}")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"argument 'dtype' must be float16, bfloat16 or float32, got {dtype}")
+        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.page_size, self.max_seqs, self.check_finite = page_size, max_seqs, check_finite
+        P = page_size
+        self.kspec = self.vspec = None
+        if isinstance(config, GroupQuantConfig):
+            self.kspec = _paged_spec(config.key_spec(), P, head_dim)
+            self.vspec = _paged_spec(config.value_spec(), P, head_dim)
+            n_comp = 1 + -(-max_tokens // P)
+            self.staging_pages = max(8, min(64, -(-max_tokens // P)))
+            n_fp = 1 + 2 * max_seqs + self.staging_pages
+        else:
+            n_comp = 0
+            self.staging_pages = 0
+            n_fp = 1 + -(-max_tokens // P) + max_seqs
+        self.layers = [_Layer(num_kv_heads, P, head_dim, dtype, self.device, n_fp, n_comp, self.kspec, self.vspec)
+                       for _ in range(num_layers)]
+        self._next_id = 0
+        self._live: Dict[int, None] = {}
+
+    # ------------------------------------------------------------------ sequences
+    def add_sequence(self) -> int:
+        """A new empty sequence; returns its id."""
+        if len(self._live) >= self.max_seqs:
+            raise RuntimeError(f"PagedKVCache holds max_seqs={self.max_seqs} live sequences; free one first")
+        sid = self._next_id
+        self._next_id += 1
+        self._live[sid] = None
+        for layer in self.layers:
+            layer.seqs[sid] = _Seq()
+        return sid
+
+    def free(self, seq_id: int) -> None:
+        """Return the sequence's pages to the pools (they are reused by later sequences)."""
+        self._check_ids([seq_id])
+        for layer in self.layers:
+            s = layer.seqs.pop(seq_id)
+            layer.free_comp.extend(reversed(s.comp_pages))
+            layer.free_fp.extend(reversed(s.fp_pages))
+        del self._live[seq_id]
+
+    def seq_len(self, seq_id: int, layer_idx: int = 0) -> int:
+        self._check_ids([seq_id])
+        return self._layer(layer_idx).seqs[seq_id].length
+
+    def _check_ids(self, seq_ids) -> None:
+        for s in seq_ids:
+            if s not in self._live:
+                raise KeyError(f"argument 'seq_ids': {s!r} is not a live sequence of this cache")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"argument 'seq_ids' lists a sequence twice: {list(seq_ids)}")
+
+    def _layer(self, layer_idx: int) -> _Layer:
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < self.num_layers:
+            raise IndexError(f"argument 'layer_idx' must be in [0, {self.num_layers}), got {layer_idx!r}")
+        return self.layers[layer_idx]
+
+    # ------------------------------------------------------------------ append
+    def append(self, layer_idx: int, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``k, v [n, H, T, D]``: T new tokens to each of the n listed sequences."""
+        layer = self._layer(layer_idx)
+        seq_ids = list(seq_ids)
+        self._check_ids(seq_ids)
+        H, D = self.num_kv_heads, self.head_dim
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
+            if x.dim() != 4 or x.shape[0] != len(seq_ids) or x.shape[1] != H or x.shape[3] != D:
+                raise ValueError(f"argument '{name}' must be [n={len(seq_ids)}, H={H}, T, D={D}], got {tuple(x.shape)}")
+            if x.dtype != self.dtype:
+                raise TypeError(f"argument '{name}' must have the cache dtype {self.dtype}, got {x.dtype}")
+            if x.device != self.device:
+                raise ValueError(f"argument '{name}' is on {x.device}, but this cache is on {self.device}")
+        if v.shape != k.shape:
+            raise ValueError(f"arguments 'k' {tuple(k.shape)} and 'v' {tuple(v.shape)} must have the same shape")
+        T = k.shape[2]
+        if T == 0 or not seq_ids:
+            return
+        if self.check_finite and not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):
+            raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")
+        self._reserve(layer, seq_ids, T)
+        P = self.page_size
+        # rounds: each takes at most `step` tokens per sequence, so that its full-precision pages fit
+        step = T if self.kspec is None else max(P, P * (self.staging_pages // len(seq_ids)))
+        for a in range(0, T, step):
+            self._append_round(layer, seq_ids, k[:, :, a:a + step], v[:, :, a:a + step])
+
+    def _reserve(self, layer: _Layer, seq_ids, T: int) -> None:
+        """Raise (changing nothing) if the pools cannot take T more tokens of each sequence."""
+        P = self.page_size
+        if self.kspec is None:
+            need = sum(-(-(layer.seqs[s].length + T) // P) - len(layer.seqs[s].fp_pages) for s in seq_ids)
+            if need > len(layer.free_fp):
+                raise RuntimeError(f"PagedKVCache is full: {need} more pages needed, {len(layer.free_fp)} free")
+            return
+        need = sum((layer.seqs[s].length + T) // P - len(layer.seqs[s].comp_pages) for s in seq_ids)
+        if need > len(layer.free_comp):
+            raise RuntimeError(f"PagedKVCache is full: {need} more compressed pages needed, "
+                               f"{len(layer.free_comp)} free (max_tokens too small)")
+
+    def _append_round(self, layer: _Layer, seq_ids, k, v) -> None:
+        P, n, T = self.page_size, len(seq_ids), k.shape[2]
+        slots, src, dst = [], [], []
+        for s in seq_ids:
+            st = layer.seqs[s]
+            end = st.length + T
+            while len(st.comp_pages) * P + len(st.fp_pages) * P < end:  # full-precision pages for the new tokens
+                st.fp_pages.append(layer.free_fp.pop())
+            base = len(st.comp_pages) * P
+            for t in range(st.length, end):
+                slots.append(st.fp_pages[(t - base) // P] * P + (t - base) % P)
+        # pages that are full after this round are compressed into new pages
+        for s in seq_ids:
+            st = layer.seqs[s]
+            end = st.length + T
+            nfull = end // P - len(st.comp_pages)
+            if self.kspec is not None and nfull > 0:
+                for j in range(nfull):
+                    src.append(st.fp_pages[j])
+                    dst.append(layer.free_comp.pop())
+        dev = self.device
+        kt = k.permute(0, 2, 1, 3).reshape(n * T, self.num_kv_heads, self.head_dim)
+        vt = v.permute(0, 2, 1, 3).reshape(n * T, self.num_kv_heads, self.head_dim)
+        slot_t = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
+        comp = layer.comp_tensors()
+        kw = {}
+        if src:
+            kw = dict(compress_src=torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
+                      compress_dst=torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True))
+        bits = self.kspec.bits if self.kspec is not None else 2
+        _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t, *comp, **kw, bits=bits,
+                          k_per_channel=self.kspec.per_channel if self.kspec else True,
+                          v_per_channel=self.vspec.per_channel if self.vspec else False)
+        i = 0
+        for s in seq_ids:
+            st = layer.seqs[s]
+            st.length += T
+            nfull = st.length // P - len(st.comp_pages)
+            if self.kspec is not None and nfull > 0:
+                layer.free_fp.extend(reversed(st.fp_pages[:nfull]))
+                st.fp_pages = st.fp_pages[nfull:]
+                st.comp_pages.extend(dst[i:i + nfull])
+                i += nfull
+
+    # ------------------------------------------------------------------ attention
+    def batch_tables(self, layer_idx: int, seq_ids: Sequence[int]):
+        """Device tensors of the listed sequences: ``(block_table [n, max_pages], seq_lens [n],
+        comp_lens [n])``, int32 (the engine-facing ops' inputs)."""
+        layer = self._layer(layer_idx)
+        seq_ids = list(seq_ids)
+        self._check_ids(seq_ids)
+        rows = [layer.seqs[s].comp_pages + layer.seqs[s].fp_pages for s in seq_ids]
+        width = max(1, max((len(r) for r in rows), default=1))
+        bt = torch.zeros((len(seq_ids), width), dtype=torch.int32)
+        for i, r in enumerate(rows):
+            if r:
+                bt[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        lens = torch.tensor([layer.seqs[s].length for s in seq_ids], dtype=torch.int32)
+        comp = torch.tensor([len(layer.seqs[s].comp_pages) * self.page_size for s in seq_ids], dtype=torch.int32)
+        return bt.to(self.device), lens.to(self.device), comp.to(self.device)
+
+    def default_max_items(self, num_seqs: int) -> int:
+        """A work-list capacity that fills the device in one wave of split CTAs."""
+        slots = 264
+        if self.device.type == "cuda":
+            slots = 3 * torch.cuda.get_device_properties(self.device).multi_processor_count
+        return min(65535, 2 * num_seqs + 2 + 2 * -(-slots // self.num_kv_heads))
+
+    def decode_attention(self, q: torch.Tensor, layer_idx: int, seq_ids: Sequence[int],
+                         scale: Optional[float] = None, *, return_lse: bool = False):
+        """Attention of one query token per listed sequence: ``q [n, Hq, D]`` -> ``[n, Hq, D]``
+        (and the log-sum-exp ``[n, Hq]`` with ``return_lse``)."""
+        layer = self._layer(layer_idx)
+        seq_ids = list(seq_ids)
+        if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != len(seq_ids) or q.shape[2] != self.head_dim:
+            raise ValueError(f"argument 'q' must be [n={len(seq_ids)}, Hq, D={self.head_dim}], got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if q.dtype != self.dtype:
+            raise TypeError(f"argument 'q' must have the cache dtype {self.dtype}, got {q.dtype}")
+        if q.device != self.device:
+            raise ValueError(f"argument 'q' is on {q.device}, but this cache is on {self.device}")
+        if q.shape[1] % self.num_kv_heads:
+            raise ValueError(f"argument 'q' has {q.shape[1]} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
+        bt, lens, comp = self.batch_tables(layer_idx, seq_ids)
+        work = _ops.paged_decode_plan(lens, comp, self.default_max_items(len(seq_ids)))
+        if scale is None:
+            scale = self.head_dim ** -0.5
+        bits = self.kspec.bits if self.kspec is not None else 2
+        g = q.shape[1] // self.num_kv_heads
+        H = self.num_kv_heads
+        outs, lses = [], []
+        # the kernels take up to 8 query heads per KV head on the tensor cores: passes of 8
+        step = g if g <= 8 else 8
+        for j in range(0, g, step):
+            qs = q.view(len(seq_ids), H, g, self.head_dim)[:, :, j:j + step].reshape(len(seq_ids), H * step, -1)
+            o, l = _ops.paged_decode_attention(qs, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp,
+                                               work, bits, self.kspec.per_channel if self.kspec else True,
+                                               self.vspec.per_channel if self.vspec else False, float(scale))
+            outs.append(o.view(len(seq_ids), H, step, -1))
+            lses.append(l.view(len(seq_ids), H, step))
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).reshape(q.shape)
+        if not return_lse:
+            return out
+        lse = (lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)).reshape(q.shape[:2])
+        return out, lse
+
+    # ------------------------------------------------------------------ inspection
+    def dequantize(self, layer_idx: int, seq_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(K, V)`` of one sequence as the cache holds them, ``[1, H, T, D]`` each."""
+        layer = self._layer(layer_idx)
+        self._check_ids([seq_id])
+        st = layer.seqs[seq_id]
+        P, H, D = self.page_size, self.num_kv_heads, self.head_dim
+        out = []
+        for role, fp in (("k", layer.k_fp), ("v", layer.v_fp)):
+            parts = []
+            if st.comp_pages:
+                codes, scale, zero = layer.comp[role]
+                spec = self.kspec if role == "k" else self.vspec
+                idx = torch.tensor(st.comp_pages, dtype=torch.int64, device=self.device)
+                x = _ops.dequantize(codes[idx], scale[idx], zero[idx], spec.bits, spec.per_channel, self.dtype)
+                parts.append(x)  # [pages, H, P, D]
+            nfp = st.length - len(st.comp_pages) * P
+            if nfp > 0:
+                idx = torch.tensor(st.fp_pages, dtype=torch.int64, device=self.device)
+                parts.append(fp[idx])
+            if not parts:
+                out.append(torch.empty((1, H, 0, D), dtype=self.dtype, device=self.device))
+                continue
+            x = torch.cat(parts, dim=0).permute(1, 0, 2, 3).reshape(1, H, -1, D)[:, :, :st.length]
+            out.append(x.contiguous())
+        return out[0], out[1]
+
+    def _page_bytes(self) -> Tuple[int, int]:
+        """Bytes of one compressed page (both roles) and of one full-precision token (both roles)."""
+        fp_tok = 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        if self.layers[0].comp is None:
+            return 0, fp_tok
+        cp = sum(t[0].numel() * t.element_size() for t in self.layers[0].comp_tensors())
+        return cp, fp_tok
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored for the live tokens of every layer: compressed pages (codes, scales, zero
+        points) and the full-precision tokens."""
+        cp, fp_tok = self._page_bytes()
+        P = self.page_size
+        total = 0
+        for layer in self.layers:
+            for st in layer.seqs.values():
+                total += len(st.comp_pages) * cp + (st.length - len(st.comp_pages) * P) * fp_tok
+        return total
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes allocated for the pools of every layer."""
+        total = 0
+        for layer in self.layers:
+            for t in (layer.k_fp, layer.v_fp, *layer.comp_tensors()):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total

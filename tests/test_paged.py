@@ -1,0 +1,326 @@
+"""kvq.PagedKVCache and the paged ops (paged_append, paged_decode_plan, paged_decode_attention).
+
+References: the stored K/V of a sequence equal a pure-PyTorch group quantization of its whole
+pages plus its full-precision tail (tests/reference/quant_reference.py), and the attention
+equals fp32 softmax attention over those stored K/V, sequence by sequence."""
+import math
+
+import pytest
+import torch
+
+import kvquant_ext as kvq
+from conftest import CUDA, requires_cuda
+from reference.quant_reference import dequantize_ref, quantize_ref, unpack_ref
+
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+GROUP_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "int2-per-token", "flexgen-4"]
+PRESETS = GROUP_PRESETS + ["fp16"]
+
+
+def make_kv(n, H, T, D, dtype, device, gen=None):
+    """Structured data: channel offsets and a few outlier channels (keys), heavy rows (values)."""
+    x = torch.randn(n, H, T, D, generator=gen)
+    x += torch.linspace(-2, 2, D)  # per-channel offsets
+    x[..., ::17] *= 6.0  # outlier channels
+    return x.to(dtype).to(device)
+
+
+def page_spec(preset, P, D):
+    cfg = kvq.get_config(preset)
+    out = []
+    for spec in (cfg.key_spec(), cfg.value_spec()):
+        g = spec.group_size
+        g = (P if spec.per_channel else D) if g == -1 else g
+        out.append((spec.bits, g, spec.per_channel))
+    return out
+
+
+def expected_kv(preset, k, v, P):
+    """What the paged cache stores for one sequence [1, H, T, D]: whole pages quantized page by
+    page (pure PyTorch), the tail in full precision."""
+    T, D = k.shape[2], k.shape[3]
+    if preset == "fp16":
+        return k, v
+    tc = T - T % P
+    res = []
+    for x, (bits, g, pc) in zip((k, v), page_spec(preset, P, D)):
+        if tc == 0:
+            res.append(x)
+            continue
+        pages = x[:, :, :tc].float().reshape(x.shape[1], tc // P, P, D).transpose(0, 1)  # [pages, H, P, D]
+        codes, s, z = quantize_ref(pages.to(x.dtype), bits, g, pc)
+        deq = dequantize_ref(codes, s, z, pc).to(x.dtype)  # [pages, H, P, D]
+        deq = deq.transpose(0, 1).reshape(1, x.shape[1], tc, D)
+        res.append(torch.cat([deq, x[:, :, tc:]], dim=2))
+    return res[0], res[1]
+
+
+def attention_ref(q, K, V, scale):
+    """q [Hq, D], K/V [H, T, D] -> out [Hq, D], lse [Hq] (fp32)."""
+    H, T, D = K.shape
+    g = q.shape[0] // H
+    if T == 0:
+        return torch.zeros(q.shape), torch.full((q.shape[0],), -math.inf)
+    qq = q.float().view(H, g, D)
+    sc = torch.einsum("hgd,htd->hgt", qq, K.float()) * scale
+    out = torch.einsum("hgt,htd->hgd", sc.softmax(-1), V.float())
+    return out.reshape(-1, D), torch.logsumexp(sc, -1).reshape(-1)
+
+
+def build(preset, lens, H, D, dtype, device, P=128, chunks=(None,), max_tokens=None, gen=None):
+    """A cache with sequences of the given lengths, appended in prompt + decode steps."""
+    cache = kvq.PagedKVCache(preset, num_layers=1, num_kv_heads=H, head_dim=D,
+                             max_tokens=max_tokens or max(64, sum(lens) + P * len(lens)), dtype=dtype,
+                             device=device, page_size=P, max_seqs=max(4, len(lens)))
+    ids = [cache.add_sequence() for _ in lens]
+    data = {}
+    for sid, L in zip(ids, lens):
+        k = make_kv(1, H, L, D, dtype, device, gen)
+        v = make_kv(1, H, L, D, dtype, device, gen)
+        data[sid] = (k, v)
+        pre = L if chunks[0] is None else min(L, chunks[0])
+        cache.append(0, [sid], k[:, :, :pre], v[:, :, :pre])
+        for t in range(pre, L):
+            cache.append(0, [sid], k[:, :, t:t + 1], v[:, :, t:t + 1])
+    return cache, ids, data
+
+
+def check_attention(cache, ids, D, Hq, dtype, device, tol):
+    q = torch.randn(len(ids), Hq, D).to(dtype).to(device)
+    out, lse = cache.decode_attention(q, 0, ids, return_lse=True)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (len(ids), Hq)
+    for i, sid in enumerate(ids):
+        K, V = cache.dequantize(0, sid)
+        ref, ref_lse = attention_ref(q[i].cpu(), K[0].cpu(), V[0].cpu(), D ** -0.5)
+        err = (out[i].float().cpu() - ref).norm() / ref.norm().clamp_min(1e-6)
+        assert err < tol, f"seq {i} (len {cache.seq_len(sid)}): relative error {err:.2e}"
+        if cache.seq_len(sid) == 0:
+            assert torch.equal(out[i].cpu(), torch.zeros_like(out[i].cpu()))
+            assert torch.isinf(lse[i].cpu()).all()
+        else:
+            assert torch.allclose(lse[i].float().cpu(), ref_lse, atol=2e-3, rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------- storage
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("L", [1, 127, 128, 129, 1000])
+@pytest.mark.parametrize("chunks", [(None,), (5,)])
+def test_stored_kv_equals_pagewise_quantization(preset, L, chunks):
+    """Prompt or token-by-token, every odd length: whole pages hold the page-wise quantization,
+    the tail is exact, and nbytes counts pages + full-precision tokens."""
+    cache, ids, data = build(preset, [L], 2, 64, torch.float16, "cpu", chunks=chunks)
+    K, V = cache.dequantize(0, ids[0])
+    k, v = data[ids[0]]
+    eK, eV = expected_kv(preset, k, v, 128)
+    assert K.shape == k.shape and V.shape == v.shape
+    torch.testing.assert_close(K, eK, rtol=0, atol=2e-3 * float(k.abs().max()))
+    torch.testing.assert_close(V, eV, rtol=0, atol=2e-3 * float(v.abs().max()))
+    tc = L - L % 128
+    assert torch.equal(K[:, :, tc:], k[:, :, tc:]) and torch.equal(V[:, :, tc:], v[:, :, tc:])
+    assert cache.seq_len(ids[0]) == L
+    if preset == "fp16":
+        assert cache.nbytes == 2 * k.numel() * 2
+    else:
+        (kb, kg, kpc), (vb, vg, vpc) = page_spec(preset, 128, 64)
+        page = 0
+        for bits, g, pc in ((kb, kg, kpc), (vb, vg, vpc)):
+            groups = (128 // g) * 64 if pc else 128 * (64 // g)
+            page += 2 * (128 * 64 * bits // 8 + 2 * 2 * groups)
+        assert cache.nbytes == (tc // 128) * page + (L - tc) * 2 * 64 * 2 * 2
+
+
+# ----------------------------------------------------------------------------- attention
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("g", [1, 4, 8, 16])
+def test_paged_attention_mixed_lengths(device, preset, D, g):
+    """One launch over sequences of lengths 0, 1, P - 1, P, P + 1, 1000 (odd prompt/decode mix)."""
+    lens = [1, 127, 128, 129, 1000, 0]
+    dtype = torch.float16
+    # token-by-token appends on one shape (the storage test covers them on every preset)
+    cache, ids, _ = build(preset, lens, 2, D, dtype, device, chunks=(100,) if (D, g) == (64, 4) else (None,))
+    check_attention(cache, ids, D, 2 * g, dtype, device, 5e-3 if device == "cuda" else 1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_paged_attention_dtypes(device, dtype):
+    cache, ids, _ = build("kivi-4", [300, 77], 2, 128, dtype, device)
+    check_attention(cache, ids, 128, 8, dtype, device, 2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_continuous_batching_page_reuse_no_leak(device):
+    """Sequences freed mid-stream return their pages; pages filled with NaN before reuse never
+    reach a later sequence's output."""
+    H, D = 2, 64
+    cache = kvq.PagedKVCache("kivi-2", num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=1024,
+                             device=device, page_size=128, max_seqs=4)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    for sid, L in ((a, 600), (b, 300)):
+        for layer in range(2):
+            cache.append(layer, [sid], make_kv(1, H, L, D, torch.float16, device),
+                         make_kv(1, H, L, D, torch.float16, device))
+    cap = cache.capacity_bytes
+    cache.free(a)
+    with pytest.raises(KeyError):
+        cache.append(0, [a], make_kv(1, H, 1, D, torch.float16, device), make_kv(1, H, 1, D, torch.float16, device))
+    for layer in cache.layers:  # poison every free page
+        for t in (layer.k_fp, layer.v_fp):
+            t[layer.free_fp] = float("nan")
+        for codes, scale, zero in layer.comp.values():
+            scale[layer.free_comp] = float("nan")
+            zero[layer.free_comp] = float("nan")
+    c = cache.add_sequence()
+    for layer in range(2):
+        cache.append(layer, [c], make_kv(1, H, 700, D, torch.float16, device),
+                     make_kv(1, H, 700, D, torch.float16, device))
+        for _ in range(3):
+            cache.append(layer, [b, c], make_kv(2, H, 1, D, torch.float16, device),
+                         make_kv(2, H, 1, D, torch.float16, device))
+    assert cache.capacity_bytes == cap
+    for layer in range(2):
+        q = torch.randn(2, 4 * H, D, dtype=torch.float16, device=device)
+        out = cache.decode_attention(q, layer, [b, c])
+        assert torch.isfinite(out).all()
+    check_attention(cache, [b, c], D, 4 * H, torch.float16, device, 5e-3 if device == "cuda" else 1e-3)
+
+
+def test_bad_input_leaves_pool_unchanged():
+    cache = kvq.PagedKVCache("kivi-2", num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=256, page_size=128,
+                             max_seqs=2)
+    a = cache.add_sequence()
+    k = make_kv(1, 2, 200, 64, torch.float16, "cpu")
+    cache.append(0, [a], k, k)
+    before = (cache.nbytes, cache.seq_len(a), [t.clone() for t in cache.layers[0].comp_tensors()])
+    bad = [
+        (ValueError, lambda: cache.append(0, [a], k[:, :1], k[:, :1])),  # wrong heads
+        (TypeError, lambda: cache.append(0, [a], k.float(), k.float())),  # wrong dtype
+        (ValueError, lambda: cache.append(0, [a], k, k[:, :, :3])),  # k / v disagree
+        (KeyError, lambda: cache.append(0, [99], k, k)),  # unknown id
+        (ValueError, lambda: cache.append(0, [a, a], torch.cat([k, k]), torch.cat([k, k]))),  # listed twice
+        (RuntimeError, lambda: cache.append(0, [a], make_kv(1, 2, 300, 64, torch.float16, "cpu"),
+                                            make_kv(1, 2, 300, 64, torch.float16, "cpu"))),  # pool exhausted
+        (IndexError, lambda: cache.append(3, [a], k, k)),
+        (ValueError, lambda: cache.decode_attention(torch.randn(1, 3, 64, dtype=torch.float16), 0, [a])),
+        (TypeError, lambda: cache.decode_attention(torch.randn(1, 4, 64), 0, [a])),
+    ]
+    nan = k.clone()
+    nan[0, 0, 5, 5] = float("nan")
+    bad.append((ValueError, lambda: cache.append(0, [a], nan, k)))
+    for exc, f in bad:
+        with pytest.raises(exc):
+            f()
+    assert cache.nbytes == before[0] and cache.seq_len(a) == before[1]
+    for t, u in zip(cache.layers[0].comp_tensors(), before[2]):
+        assert torch.equal(t, u)
+    with pytest.raises(RuntimeError):
+        cache.add_sequence(), cache.add_sequence()
+    with pytest.raises(NotImplementedError):
+        kvq.PagedKVCache("gear-2", num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=256)
+    with pytest.raises(ValueError, match="page_size"):
+        kvq.PagedKVCache("kivi-2", num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=256, page_size=48)
+
+
+# ----------------------------------------------------------------------------- ops
+@pytest.mark.parametrize("device", DEVICES)
+def test_plan_items_cover_every_token_once(device):
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(0, 70000, (37,), generator=gen, dtype=torch.int32)
+    lens[::5] = 0
+    comp = (lens // 128 * 128).to(torch.int32)
+    for max_items in (2 * 37 + 2, 500, 4000):
+        work = kvq.ops.paged_decode_plan(lens.to(device), comp.to(device), max_items).cpu()
+        if device == "cuda":
+            assert torch.equal(work, kvq.ops.paged_decode_plan(lens, comp, max_items))
+        n_items, cc, cf = int(work[0]), int(work[1]), int(work[2])
+        assert n_items <= max_items and cc % 128 == 0 and cc >= 256 and cf % 32 == 0
+        mi = max_items
+        seq, t0, t1 = work[4:4 + mi], work[4 + mi:4 + 2 * mi], work[4 + 2 * mi:4 + 3 * mi]
+        first, count = work[4 + 3 * mi:4 + 3 * mi + 37], work[4 + 3 * mi + 37:]
+        for s in range(37):
+            f, c = int(first[s]), int(count[s])
+            assert torch.all(seq[f:f + c] == s)
+            pos = 0
+            for i in range(f, f + c):
+                assert int(t0[i]) == pos and int(t1[i]) > pos
+                # a range never mixes compressed and full-precision tokens
+                assert int(t1[i]) <= int(comp[s]) or int(t0[i]) >= int(comp[s])
+                pos = int(t1[i])
+            assert pos == int(lens[s])
+
+
+def test_ops_opcheck():
+    cache, ids, _ = build("kivi-2", [300, 5], 2, 64, torch.float16, "cpu")
+    layer = cache.layers[0]
+    bt, lens, comp = cache.batch_tables(0, ids)
+    work = kvq.ops.paged_decode_plan(lens, comp, 40)
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    args = (q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp, work, 2, True, False, 0.125)
+    torch.library.opcheck(torch.ops.kvq.paged_decode_attention.default, args)
+    torch.library.opcheck(torch.ops.kvq.paged_decode_plan.default, (lens, comp, 40))
+    k = torch.randn(3, 2, 64, dtype=torch.float16)
+    slots = torch.tensor([5, 6, 7], dtype=torch.int64)
+    torch.library.opcheck(torch.ops.kvq.paged_append.default,
+                          (layer.k_fp.clone(), layer.v_fp.clone(), k, k, slots),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_op_bad_block_table_is_refused_on_cpu():
+    cache, ids, _ = build("kivi-2", [300], 2, 64, torch.float16, "cpu")
+    layer = cache.layers[0]
+    bt, lens, comp = cache.batch_tables(0, ids)
+    work = kvq.ops.paged_decode_plan(lens, comp, 40)
+    q = torch.randn(1, 4, 64, dtype=torch.float16)
+    bt[0, 0] = 10 ** 6
+    with pytest.raises(RuntimeError, match="block_table"):
+        kvq.ops.paged_decode_attention(q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp, work, 2,
+                                       True, False, 0.125)
+    with pytest.raises(RuntimeError, match="max_items"):
+        kvq.ops.paged_decode_plan(lens, comp, 3)
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+@requires_cuda
+@pytest.mark.parametrize("preset", ["kivi-2", "fp16"])
+def test_cuda_graph_replay_across_lengths(preset):
+    """plan + attention captured once; replays after appends (new lengths, new pages) equal eager calls."""
+    H, D = 2, 128
+    cache, ids, _ = build(preset, [500, 40, 1300], H, D, torch.float16, "cuda")
+    layer = cache.layers[0]
+    mp = 32
+    bt = torch.zeros((3, mp), dtype=torch.int32, device="cuda")
+    lens = torch.zeros(3, dtype=torch.int32, device="cuda")
+    comp = torch.zeros(3, dtype=torch.int32, device="cuda")
+    q = torch.randn(3, 4 * H, D, dtype=torch.float16, device="cuda")
+    mi = cache.default_max_items(3)
+
+    def load():
+        b, l, c = cache.batch_tables(0, ids)
+        bt.zero_()
+        bt[:, :b.shape[1]] = b
+        lens.copy_(l)
+        comp.copy_(c)
+
+    def run():
+        work = kvq.ops.paged_decode_plan(lens, comp, mi)
+        return kvq.ops.paged_decode_attention(q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp, work,
+                                              2, True, False, D ** -0.5)[0]
+
+    load()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=s):
+            out = run()
+    torch.cuda.current_stream().wait_stream(s)
+    for step in range(4):
+        cache.append(0, ids, make_kv(3, H, 70, D, torch.float16, "cuda"), make_kv(3, H, 70, D, torch.float16, "cuda"))
+        load()
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run()), f"replay {step}"
