@@ -22,10 +22,13 @@ namespace attention {
 constexpr int kPlanThreads = 256;
 static_assert(kPagedMaxGroup == kMaxGroup, "the CUDA-core kernels take kMaxGroup heads");
 
-/// \brief The plan (paged_plan_host's list) on the device, one CTA of kPlanThreads threads.
-__global__ void __launch_bounds__(kPlanThreads) PagedDecodePlanKernel(const int32_t* seq_lens, const int32_t* comp_lens,
+/// \brief The plan (paged_plan_host's list) on the device, one CTA of kPlanThreads threads
+/// (a template so that every translation unit that includes this header may instantiate it).
+template <int THREADS = kPlanThreads>
+__global__ void __launch_bounds__(THREADS) PagedDecodePlanKernel(const int32_t* seq_lens, const int32_t* comp_lens,
                                                                       int64_t num_seqs, int64_t max_items,
                                                                       int32_t* work) {
+  static_assert(THREADS == kPlanThreads, "one block size");
   __shared__ long long s_red[2][kPlanThreads / 32];
   __shared__ int s_scan[kPlanThreads / 32];
   __shared__ int s_carry;
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(kPlanThreads) PagedDecodePlanKernel(const int3
 
 inline cudaError_t LaunchPagedDecodePlan(const int32_t* seq_lens, const int32_t* comp_lens, int64_t num_seqs,
                                          int64_t max_items, int32_t* work, cudaStream_t stream) {
-  PagedDecodePlanKernel<<<1, kPlanThreads, 0, stream>>>(seq_lens, comp_lens, num_seqs, max_items, work);
+  PagedDecodePlanKernel<kPlanThreads><<<1, kPlanThreads, 0, stream>>>(seq_lens, comp_lens, num_seqs, max_items, work);
   return cudaGetLastError();
 }
 
