@@ -20,7 +20,7 @@ from .attention import decode_attention, uses_fused_kernel
 from .cache import KVCache
 from .compressed import Compressed, FullPrecision, GroupQuantized
 from .config import (PRESETS, CompressionConfig, FP16Config, FlexGenConfig, GEARConfig,
-                     GroupQuantConfig, HQMQConfig, KCVTConfig, KIVIConfig, PerTokenIntConfig,
+                     GroupQuantBase, GroupQuantConfig, HQMQConfig, KCVTConfig, KIVIConfig, PerTokenIntConfig,
                      QuantSpec, get_config, register_format, register_preset)
 from .gear import GEARCompressed, GEARStream
 from .hqmq import HQMQCompressed, HQMQStream, hqmq_secondary, hqmq_seed, med3_threshold
@@ -58,7 +58,7 @@ def __getattr__(name: str):
 __all__ = [
     "HQMQCompressed", "HQMQConfig", "HQMQStream", "hqmq_decode", "hqmq_encode", "hqmq_secondary",
     "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
-    "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PerTokenIntConfig",
+    "GroupQuantBase", "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PerTokenIntConfig",
     "QuantSpec", "compress", "decode_attention", "dequantize", "get_config", "quantize",
     "register_format", "register_preset", "uses_fused_kernel", "hqmq_seed", "med3_threshold",
     "GEARCompressed", "GEARConfig", "GEARStream", "gear_compress", "gear_decompress",

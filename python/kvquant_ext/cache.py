@@ -23,7 +23,7 @@ def _max_abs(t: torch.Tensor) -> torch.Tensor:
     """max |t| as an fp32 scalar tensor (NaN if ``t`` has a NaN; 0 if it is empty)."""
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=t.device)
-    return t.abs().amax().float()
+    return torch.linalg.vector_norm(t, float("inf")).float()
 
 
 class KVCache:
