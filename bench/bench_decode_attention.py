@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kvquant_ext as kvq  # noqa: E402
-from kvquant_ext.attention import uses_fused_kernel  # noqa: E402
+from kvquant_ext import uses_fused_kernel  # noqa: E402
 from utils import bench_gpu_time, copy_bandwidth, table  # noqa: E402
 
 DEFAULT_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "flexgen-4", "gear-2", "gearl-2", "outlier-2",

@@ -22,7 +22,7 @@ import os
 import sys
 
 import kvquant_ext as kvq
-from kvquant_ext.hqmq import hqmq_secondary, med3_threshold
+from kvquant_ext import hqmq_secondary, med3_threshold
 
 sys.path.insert(0, os.path.dirname(__file__))
 from utils import bench_time  # noqa: E402

@@ -199,3 +199,83 @@ def test_update_is_atomic(preset):
     with pytest.raises(ValueError, match="'value' has shape"):
         cache.update(k[:, :, :3], make_kv(1, 2, 3, 32, torch.float16), 0)
     assert cache.layers[0].key.seq_len == cache.layers[0].value.seq_len == 40
+
+
+# ----------------------------------------------------------------------------- value checks
+def _chunks(sizes=(70, 1, 64, 1, 1, 64)):
+    """A prefill, then appends crossing the residual / buffer flush points."""
+    return [make_kv(1, 2, n, 64, torch.float16) for n in sizes]
+
+
+@pytest.mark.parametrize("preset", sorted(kvq.PRESETS))
+def test_update_checks_values_once(preset, monkeypatch):
+    """One KVCache.update checks key and value (NaN/Inf, fp16 range) with a single host
+    sync; the streams and the compression ops it calls skip their own checks."""
+    flags, syncs = [], {"bool": 0, "float": 0}
+    for name in ("quantize", "gear_compress", "hqmq_encode"):
+        def wrap(*a, _real=getattr(kvq.ops, name), check_finite=True, **kw):
+            flags.append(check_finite)
+            return _real(*a, check_finite=check_finite, **kw)
+        monkeypatch.setattr(kvq.ops, name, wrap)
+    for dunder, key in (("__bool__", "bool"), ("__float__", "float")):
+        def counted(self, _real=getattr(torch.Tensor, dunder), _key=key):
+            syncs[_key] += 1
+            return _real(self)
+        monkeypatch.setattr(torch.Tensor, dunder, counted)
+    cache = kvq.KVCache(preset)
+    keys, values = _chunks(), _chunks()
+    for k, v in zip(keys, values):
+        cache.update(k, v, 0)
+    monkeypatch.undo()
+    assert syncs == {"bool": 0, "float": len(keys)}
+    assert not any(flags)
+    if preset != "fp16":
+        assert flags  # the compression ops did run
+    K, V = cache.dequantize(0)
+    assert K.shape[2] == V.shape[2] == sum(k.shape[2] for k in keys)
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "hqmq-5", "fp16"])
+def test_update_value_errors_name_the_argument(preset):
+    cache = kvq.KVCache(preset)
+    k, v = make_kv(1, 2, 40, 64, torch.float32), make_kv(1, 2, 40, 64, torch.float32)
+    for role, bad in (("key", float("inf")), ("value", float("nan")), ("value", float("-inf"))):
+        kb, vb = k.clone(), v.clone()
+        (kb if role == "key" else vb)[0, 1, 7, 3] = bad
+        with pytest.raises(ValueError, match=f"'{role}' contains NaN or Inf"):
+            cache.update(kb, vb, 0)
+    big = v.clone()
+    big[0, 0, 0, 0] = 7e4
+    if preset == "fp16":
+        cache.update(k, big, 0)  # full precision holds any finite value
+    else:
+        with pytest.raises(ValueError, match="'value' has entries with magnitude above 65504"):
+            cache.update(k, big, 0)
+        assert cache.get_seq_length(0) == 0
+    cache.update(k, v, 0)
+    unchecked = kvq.KVCache(preset, check_finite=False)
+    nan = v.clone()
+    nan[0, 0, 0, 0] = float("nan")
+    unchecked.update(k, nan, 0)  # no check at all
+    assert unchecked.get_seq_length(0) == 40
+
+
+@pytest.mark.parametrize("preset", ["hqmq-3.79", "kivi-2"])
+def test_reset_keeps_the_layer_index(preset):
+    cache = kvq.KVCache(preset)
+    kv = [(make_kv(1, 2, 40, 64, torch.float16), make_kv(1, 2, 40, 64, torch.float16)) for _ in range(3)]
+    for i, (k, v) in enumerate(kv):
+        cache.update(k, v, i)
+    before = cache.dequantize(2)
+    cache.reset(2)
+    assert cache.get_seq_length(2) == 0 and cache.get_seq_length(1) == 40
+    cache.update(*kv[2], 2)
+    for a, b in zip(before, cache.dequantize(2)):
+        assert torch.equal(a, b)  # the same layer's codebooks as before the reset
+    if preset.startswith("hqmq"):
+        cfg = cache.config
+        for role in ("key", "value"):
+            sec = kvq.hqmq_secondary(2, cfg.secondary_size, cfg.seed, layer_idx=2, role=role)
+            assert torch.equal(getattr(cache.layers[2], role).secondary, sec)
+    with pytest.raises(IndexError, match="'layer_idx'"):
+        cache.reset(3)

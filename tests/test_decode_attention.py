@@ -4,7 +4,7 @@ import torch
 
 import kvquant_ext as kvq
 from conftest import CUDA, requires_cuda
-from kvquant_ext.attention import reference_decode_attention
+from reference.attention_reference import reference_decode_attention
 from test_group_quant import make_kv
 
 GQ_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "int2-per-token", "flexgen-4", "fp16",

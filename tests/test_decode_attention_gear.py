@@ -7,7 +7,6 @@ import torch
 
 import kvquant_ext as kvq
 from conftest import CUDA, requires_cuda
-from kvquant_ext import _ops
 from test_decode_attention import check
 from test_group_quant import make_kv
 
@@ -92,7 +91,7 @@ def test_outliers_and_low_rank_matter(device):
     scale = D ** -0.5
 
     def run(kg_, vg_):
-        return _ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_,
+        return kvq.ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_,
                                           kst.T0, 64, scale).float()
 
     torch.testing.assert_close(run(kg, vg), out, rtol=0, atol=0)
@@ -147,7 +146,7 @@ def test_stored_corrections(device, preset, dtype):
         for bi, blk in enumerate(blocks):
             f = blk.fields
             ov, oi = f["outlier_values"], f["outlier_indices"]
-            xhat = _ops.gear_decompress(f["codes"], f["scale"], f["zero"], ov[..., :0].float(),
+            xhat = kvq.ops.gear_decompress(f["codes"], f["scale"], f["zero"], ov[..., :0].float(),
                                         oi[..., :0].contiguous(), f["A"], f["B"], st.spec.bits,
                                         st.spec.per_channel, torch.float32)
             t, c, v, d = _entries(st, bi, blk)
@@ -199,7 +198,7 @@ def test_bad_input(device):
     q = torch.randn(1, 4, 64, dtype=torch.float16, device=device)
 
     def call(kg_=kg, vg_=vg, t0=kst.T0, nb=64):
-        return _ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_, t0, nb, 0.1)
+        return kvq.ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_, t0, nb, 0.1)
 
     with pytest.raises(RuntimeError, match="k_gear"):
         call(kg_=kg[:11])
@@ -288,7 +287,7 @@ def test_cuda_reads_stored_corrections(preset, dtype):
     def run(kg_, vg_, dev="cuda"):
         mv = lambda L: [t.to(dev) for t in L]  # noqa: E731
         args = mv([q, kc, ks, kz, kr, vc, vs, vz, vr])
-        return _ops.decode_attention_gear(*args[:9], None, 2, mv(kg_), mv(vg_), kst.T0,
+        return kvq.ops.decode_attention_gear(*args[:9], None, 2, mv(kg_), mv(vg_), kst.T0,
                                           kst.config.buffer_length, scale).float().cpu()
 
     out = run(kg, vg)
@@ -355,7 +354,7 @@ def test_cuda_wide_value_indices(preset):
     q = torch.randn(B, 8, D, dtype=torch.float16, device="cuda")
 
     def run(vg_):
-        return _ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg, vg_, kst.T0,
+        return kvq.ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg, vg_, kst.T0,
                                           kst.config.buffer_length, D ** -0.5)
 
     out = run(vg)
@@ -502,20 +501,19 @@ def test_cuda_graph_capture():
 
 def test_cuda_eligibility_checks_alignment():
     """On CUDA the fused GEAR path needs 16-byte aligned rows; a misaligned layer must take the
-    dequantize path (checked here on CPU tensors through the Python predicate)."""
-    from kvquant_ext.attention import _gear_fused_ok
+    dequantize path (checked here on CPU tensors through kvq.uses_fused_kernel)."""
     cache = gear_cache("gear-2", 1, 2, 128, 64, torch.float16, "cpu", steps=64)
     kst, vst = cache.layers[0].key, cache.layers[0].value
 
-    class FakeCuda:  # what the predicate reads of q: its device and shape
+    class FakeCuda:  # what kvq.uses_fused_kernel reads of q: its device and shape
         device = torch.device("cuda")
         shape = (1, 4, 64)
 
-    assert _gear_fused_ok(kst, vst, FakeCuda())
+    assert kvq.uses_fused_kernel(cache, 0, FakeCuda())
     # an A0 whose head stride is not a multiple of 16 bytes
     A0 = kst.A0
     bad = torch.empty(A0.shape[0], A0.shape[1], A0.shape[2] + 1, A0.shape[3], dtype=A0.dtype)[:, :, 1:]
     bad.copy_(A0)
     kst.A0 = bad
-    assert not _gear_fused_ok(kst, vst, FakeCuda())
+    assert not kvq.uses_fused_kernel(cache, 0, FakeCuda())
     kst.A0 = A0

@@ -7,7 +7,7 @@ import torch
 
 import kvquant_ext as kvq
 from conftest import CUDA, requires_cuda
-from kvquant_ext.attention import reference_decode_attention
+from reference.attention_reference import reference_decode_attention
 
 PRESETS = ["hqmq-3.79", "hqmq-5"]
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])

@@ -358,3 +358,23 @@ def test_smollm2_real_model():
     assert torch.equal(gen(model, ids, kh.QuantizedCache("fp16", model.config), n=8), ref)
     out = gen(model, ids, kh.QuantizedCache("kivi-4", model.config), n=8)
     assert (out[0, -8:] == ref[0, -8:]).float().mean() >= 0.5
+
+
+def test_reset_layer_keeps_its_layer_index():
+    """A reset HQMQ layer i > 0 is rebuilt with layer i's secondary sets, not layer 0's."""
+    cfg = transformers.LlamaConfig(num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64, hidden_size=256)
+    cache = kh.QuantizedCache("hqmq-3.79", cfg)
+    k, v = torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
+    for i in range(3):
+        cache.update(k, v, i)
+    before = cache.kv.dequantize(2)
+    cache.layers[2].reset()
+    assert cache.layers[2].get_seq_length() == 0 and cache.layers[1].get_seq_length() == 40
+    cache.update(k, v, 2)
+    hq = cache.config
+    for role in ("key", "value"):
+        sec = kvq.hqmq_secondary(2, hq.secondary_size, hq.seed, layer_idx=2, role=role)
+        assert torch.equal(getattr(cache.kv.layers[2], role).secondary, sec)
+    for a, b in zip(before, cache.kv.dequantize(2)):
+        assert torch.equal(a, b)

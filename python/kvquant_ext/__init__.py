@@ -7,26 +7,26 @@ custom ops (``torch.ops.kvq.*``) with CPU and CUDA kernels.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch  # noqa: F401  (must be imported before the extension library)
 
 from . import _ops as ops  # noqa: F401  (registers torch.ops.kvq.* and their fakes)
-from ._ops import dequantize, quantize
-from .attention import decode_attention
+from ._ops import (dequantize, gear_compress, gear_decompress, hqmq_decode, hqmq_encode,
+                   lowrank_power_iter, outlier_count, outlier_index_dtype, outlier_select,
+                   quantize)
+from . import gear, hqmq, streams  # noqa: F401  (each registers its formats on import)
+from .attention import decode_attention, uses_fused_kernel
 from .cache import KVCache
 from .paged import PagedKVCache
-from ._ops import hqmq_decode, hqmq_encode  # noqa: E402
-from .config import HQMQConfig  # noqa: E402
-from .hqmq import HQMQCompressed, HQMQStream, hqmq_secondary  # noqa: E402
 from .compressed import Compressed, FullPrecision, GroupQuantized
-from ._ops import (gear_compress, gear_decompress, lowrank_power_iter,  # noqa: E402
-                   outlier_count, outlier_index_dtype, outlier_select)
-from .config import GEARConfig  # noqa: E402
-from .gear import GEARCompressed, GEARStream  # noqa: E402
-from .config import (PRESETS, CompressionConfig, FP16Config, FlexGenConfig, GroupQuantConfig,
-                     KCVTConfig, KIVIConfig, PerTokenIntConfig, QuantSpec, get_config,
-                     register_preset)
+from .config import (PRESETS, CompressionConfig, FP16Config, FlexGenConfig, GEARConfig,
+                     GroupQuantBase, GroupQuantConfig, HQMQConfig, KCVTConfig, KIVIConfig, PerTokenIntConfig,
+                     QuantSpec, get_config, register_format, register_preset)
+from .gear import GEARCompressed, GEARStream
+from .hqmq import HQMQCompressed, HQMQStream, hqmq_secondary, hqmq_seed, med3_threshold
 
-try:
+try:  # written by the build (absent in a source tree that was never built)
     from ._build_config import WITH_CUDA as built_with_cuda
 except ImportError:  # pragma: no cover
     built_with_cuda = False
@@ -34,23 +34,24 @@ except ImportError:  # pragma: no cover
 __version__ = "0.1.0"
 
 
-def compress(x: torch.Tensor, config, role: str, *, check_finite: bool = True) -> Compressed:
+def compress(x: torch.Tensor, config, role: str, *, check_finite: bool = True,
+             layer_idx: int = 0) -> Compressed:
     """Compress a whole ``[B, H, T, D]`` block with ``config`` (or a preset name) as
-    ``role`` ("key" or "value").  Returns an object with ``decompress()``, ``nbytes`` and
-    ``bits_per_element``."""
+    ``role`` ("key" or "value") of layer ``layer_idx`` (which only HQMQ's codebooks depend
+    on), through the format registered for the config's class.  Returns an object with
+    ``decompress()``, ``nbytes`` and ``bits_per_element``."""
     if isinstance(config, str):
         config = get_config(config)
     if not isinstance(config, CompressionConfig):
         raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
                         f"got {type(config).__name__}")
-    return config.compress(x, role, check_finite=check_finite)
+    return config.compress(x, role, check_finite=check_finite, layer_idx=layer_idx)
 
 
 def __getattr__(name: str):
     # `kvq.hf` (needs transformers) and `kvq.cli` are imported on first use, so the core
     # package never imports transformers.
     if name in ("hf", "cli"):
-        import importlib
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
@@ -58,8 +59,9 @@ def __getattr__(name: str):
 __all__ = [
     "HQMQCompressed", "HQMQConfig", "HQMQStream", "hqmq_decode", "hqmq_encode", "hqmq_secondary",
     "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
-    "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PagedKVCache", "PerTokenIntConfig",
-    "QuantSpec", "compress", "decode_attention", "dequantize", "get_config", "quantize", "register_preset",
+    "GroupQuantBase", "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PagedKVCache",
+    "PerTokenIntConfig", "QuantSpec", "compress", "decode_attention", "dequantize", "get_config", "quantize",
+    "register_format", "register_preset", "uses_fused_kernel", "hqmq_seed", "med3_threshold",
     "GEARCompressed", "GEARConfig", "GEARStream", "gear_compress", "gear_decompress",
     "lowrank_power_iter", "outlier_count", "outlier_index_dtype", "outlier_select",
 ]

@@ -5,6 +5,8 @@ No math lives here: every function documents shapes and calls the registered op.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.kvq.*)
@@ -134,7 +136,6 @@ __all__ += ["outlier_count", "outlier_index_dtype", "outlier_select", "lowrank_p
 def outlier_count(sparsity: float, length: int) -> int:
     """Outliers per side of a vector of ``length`` entries: ``ceil(sparsity/2 * length)``,
     at most ``length // 2`` (the same double expression as the C++ op)."""
-    import math
     if not sparsity > 0.0 or length <= 0:
         return 0
     k = max(0, math.ceil(float(sparsity) * 0.5 * float(length) - 1e-9))

@@ -134,7 +134,10 @@ def _path(kst, vst, q) -> str:
 
 def uses_fused_kernel(cache, layer_idx: int, q: torch.Tensor) -> bool:
     """True when :func:`decode_attention` reads layer ``layer_idx`` of ``cache`` through a
-    fused op for queries like ``q`` (False: FP16 SDPA, or dequantize then SDPA)."""
+    fused op (``decode_attention_gq`` / ``_gear`` / ``_hqmq``) for queries like ``q``; False
+    when it runs SDPA (FP16 layers) or dequantizes the layer first (GEAR with the KCVT
+    backbone; on CUDA also GEAR layers outside the tensor-core kernel's shape and 16-byte
+    alignment rules).  Only ``q.device`` and ``q.shape`` are read."""
     layer = cache._layer(layer_idx)
     return _path(layer.key, layer.value, q) in ("gq", "gear", "hqmq")
 
@@ -193,15 +196,3 @@ def _sdpa(q, K, V, scale, attn_mask, gqa):
         out = torch.where(attn_mask.any(dim=1)[:, None, None], out, torch.zeros_like(out))
     return out
 
-
-def reference_decode_attention(q, K, V, scale, attn_mask=None):
-    """fp32 softmax attention of q ``[B, Hq, D]`` over K, V ``[B, H, T, D]`` (GQA)."""
-    B, Hq, D = q.shape
-    H = K.shape[1]
-    Kf = K.float().repeat_interleave(Hq // H, dim=1)
-    Vf = V.float().repeat_interleave(Hq // H, dim=1)
-    s = torch.einsum("bhd,bhtd->bht", q.float(), Kf) * scale
-    if attn_mask is not None:
-        s = s.masked_fill(~attn_mask[:, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    return torch.einsum("bht,bhtd->bhd", p, Vf)

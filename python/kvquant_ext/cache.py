@@ -1,33 +1,29 @@
 """``KVCache``: a streaming multi-layer compressed key/value cache."""
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .config import CompressionConfig
+from .config import CompressionConfig, get_config
 
 
 class LayerCache:
-    """Keys and values of one layer, each a :class:`~kvquant_ext.streams.Stream`."""
+    """Keys and values of one layer, each a :class:`~kvquant_ext.streams.Stream`.  The
+    streams do not check for NaN/Inf themselves: :meth:`KVCache.update` checks key and
+    value together before appending either."""
 
-    def __init__(self, config: CompressionConfig, check_finite: bool, layer_idx: int = 0):
-        self.key = _new_stream(config, "key", check_finite, layer_idx)
-        self.value = _new_stream(config, "value", check_finite, layer_idx)
+    def __init__(self, config: CompressionConfig, layer_idx: int):
+        self.key = config.new_stream("key", check_finite=False, layer_idx=layer_idx)
+        self.value = config.new_stream("value", check_finite=False, layer_idx=layer_idx)
 
 
-def _new_stream(config: CompressionConfig, role: str, check_finite: bool, layer_idx: int):
-    """``config.new_stream(role, ...)``, passing ``layer_idx`` only to configs whose
-    ``new_stream`` accepts it (e.g. HQMQ, whose codebooks differ per layer)."""
-    import inspect
-    try:
-        params = inspect.signature(config.new_stream).parameters
-    except (TypeError, ValueError):  # pragma: no cover
-        params = {}
-    if "layer_idx" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD
-                                    for p in params.values()):
-        return config.new_stream(role, check_finite=check_finite, layer_idx=layer_idx)
-    return config.new_stream(role, check_finite=check_finite)
+def _max_abs(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as an fp32 scalar tensor (NaN if ``t`` has a NaN; 0 if it is empty)."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    return torch.linalg.vector_norm(t, float("inf")).float()
 
 
 class KVCache:
@@ -46,7 +42,6 @@ class KVCache:
 
     def __init__(self, config, num_layers: Optional[int] = None, *, check_finite: bool = True):
         if isinstance(config, str):
-            from .config import get_config
             config = get_config(config)
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
@@ -60,8 +55,13 @@ class KVCache:
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"argument 'layer_idx' must be a non-negative int, got {layer_idx!r}")
         while len(self.layers) <= layer_idx:
-            self.layers.append(LayerCache(self.config, self.check_finite, len(self.layers)))
+            self.layers.append(LayerCache(self.config, len(self.layers)))
         return self.layers[layer_idx]
+
+    def reset(self, layer_idx: int) -> None:
+        """Empty layer ``layer_idx`` (its new streams are built for that layer index)."""
+        self._layer(layer_idx)
+        self.layers[layer_idx] = LayerCache(self.config, layer_idx)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
         """Append ``key``/``value`` tokens ``[B, H, t, D]`` to layer ``layer_idx``."""
@@ -72,11 +72,25 @@ class KVCache:
         # validate both before appending either, so a bad value cannot leave the keys ahead
         layer.key.validate(key, "key")
         layer.value.validate(value, "value")
-        if self.check_finite and not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):
-            name = "key" if not torch.isfinite(key).all() else "value"
-            raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
+        if self.check_finite:
+            self._check_values(key, value, layer.key.max_abs)
         layer.key.append(key, "key")
         layer.value.append(value, "value")
+
+    @staticmethod
+    def _check_values(key: torch.Tensor, value: torch.Tensor, limit: float) -> None:
+        """Raise on NaN/Inf or magnitudes above ``limit`` in key or value: one reduction
+        over both and one host sync (the failure path alone looks at each separately)."""
+        m = float(torch.maximum(_max_abs(key), _max_abs(value)))
+        if math.isfinite(m) and m <= limit:
+            return
+        for name, t in (("key", key), ("value", value)):
+            a = float(_max_abs(t))
+            if not math.isfinite(a):
+                raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
+        name = "key" if float(_max_abs(key)) > limit else "value"
+        raise ValueError(f"argument '{name}' has entries with magnitude above {limit:g}, which "
+                         "this cache's fp16 scales cannot represent (cache check_finite=True)")
 
     def dequantize(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Full ``(K, V)`` of a layer, ``[B, H, T, D]`` each, as the cache holds them."""
@@ -114,8 +128,7 @@ class KVCache:
         return sd
 
     def load_state_dict(self, state: Dict[str, object]) -> None:
-        from .config import CompressionConfig as _C
-        cfg = _C.from_dict(state["config"])
+        cfg = CompressionConfig.from_dict(state["config"])
         if cfg != self.config:
             raise ValueError(f"state_dict was saved with config {cfg}, this cache has {self.config}")
         self.layers = []

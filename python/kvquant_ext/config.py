@@ -1,15 +1,18 @@
-"""Compression configs (validated dataclasses) and named presets.
+"""Compression configs (frozen, validated dataclasses), the format registry and named presets.
 
-Each config knows how to compress one block (``compress(x, role)``) and how to stream
-tokens into a cache (``new_stream(role)``), so a new method plugs in by adding a config
-class; :class:`kvquant_ext.KVCache` and :func:`kvquant_ext.compress` never special-case
-methods.  C++ only ever receives ints and floats taken from these objects.
+A config is plain data.  What compresses a block or streams tokens for it is the *format*
+registered against its class (:func:`register_format`): the modules that implement a method
+(``streams``, ``gear``, ``hqmq``) register theirs when imported, and
+:func:`kvquant_ext.compress` / :class:`kvquant_ext.KVCache` look the format up by config
+type, so they never special-case methods and this module imports none of them.  C++ only
+ever receives ints and floats taken from these objects.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import ClassVar, Dict, Type
+import math
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Dict, Optional, Type
 
 ROLES = ("key", "value")
 
@@ -22,6 +25,47 @@ def _check_role(role: str) -> str:
     return role
 
 
+# ----------------------------------------------------------------------------- formats
+@dataclass(frozen=True)
+class Format:
+    """How one config class is compressed and streamed.
+
+    ``compress(x, config, role, *, layer_idx, check_finite, **options)`` returns a
+    :class:`~kvquant_ext.Compressed` for one whole ``[B, H, T, D]`` block;
+    ``new_stream(config, role, *, layer_idx, check_finite)`` returns an empty
+    :class:`~kvquant_ext.streams.Stream`.  ``role`` arrives validated; ``layer_idx`` is
+    passed to every format (formats whose storage does not depend on the layer ignore it).
+    """
+
+    compress: Callable
+    new_stream: Callable
+
+
+_FORMATS: Dict[type, Format] = {}
+
+
+def register_format(config_cls: type, *, compress: Callable, new_stream: Callable) -> None:
+    """Register (or replace) the :class:`Format` of ``config_cls`` and its subclasses
+    (a subclass's own registration wins)."""
+    if not (isinstance(config_cls, type) and issubclass(config_cls, CompressionConfig)):
+        raise TypeError(f"argument 'config_cls' must be a CompressionConfig subclass, got {config_cls!r}")
+    for name, f in (("compress", compress), ("new_stream", new_stream)):
+        if not callable(f):
+            raise TypeError(f"argument '{name}' must be callable, got {type(f).__name__}")
+    _FORMATS[config_cls] = Format(compress, new_stream)
+
+
+def format_of(config: "CompressionConfig") -> Format:
+    """The :class:`Format` registered for ``type(config)`` or its nearest base class."""
+    for cls in type(config).__mro__:
+        fmt = _FORMATS.get(cls)
+        if fmt is not None:
+            return fmt
+    raise TypeError(f"no compression format is registered for {type(config).__name__}; "
+                    "register one with kvquant_ext.register_format")
+
+
+# ----------------------------------------------------------------------------- configs
 @dataclass(frozen=True)
 class QuantSpec:
     """How one role is group-quantized: bits, group size (-1 = whole axis), grouping."""
@@ -44,7 +88,8 @@ class QuantSpec:
 
 @dataclass(frozen=True)
 class CompressionConfig:
-    """Base of every config.  Subclasses implement ``compress`` and ``new_stream``."""
+    """Base of every config: its dataclass fields are the whole config (``to_dict`` /
+    ``from_dict`` round-trip them); behaviour comes from the registered :class:`Format`."""
 
     version: ClassVar[int] = 1
     method: ClassVar[str] = "base"
@@ -53,12 +98,18 @@ class CompressionConfig:
         super().__init_subclass__(**kw)
         _REGISTRY[cls.__name__] = cls
 
-    # -- behaviour ---------------------------------------------------------------
-    def compress(self, x, role: str, *, check_finite: bool = True):
-        raise NotImplementedError
+    # -- behaviour (the registered format) ----------------------------------------
+    def compress(self, x, role: str, *, check_finite: bool = True, layer_idx: int = 0,
+                 **options):
+        """Compress one whole ``[B, H, T, D]`` block as ``role``; ``options`` go to the
+        format (e.g. GEAR's ``rank``)."""
+        return format_of(self).compress(x, self, _check_role(role), layer_idx=layer_idx,
+                                        check_finite=check_finite, **options)
 
-    def new_stream(self, role: str, *, check_finite: bool = True):
-        raise NotImplementedError
+    def new_stream(self, role: str, *, check_finite: bool = True, layer_idx: int = 0):
+        """An empty stream of ``role`` for layer ``layer_idx`` of a cache."""
+        return format_of(self).new_stream(self, _check_role(role), layer_idx=layer_idx,
+                                          check_finite=check_finite)
 
     # -- serialisation -----------------------------------------------------------
     def to_dict(self) -> dict:
@@ -81,26 +132,47 @@ class FP16Config(CompressionConfig):
 
     method: ClassVar[str] = "fp16"
 
-    def compress(self, x, role, *, check_finite=True):
-        from .compressed import FullPrecision
-        _check_role(role)
-        return FullPrecision(x)
 
-    def new_stream(self, role, *, check_finite=True):
-        from .streams import FullPrecisionStream
-        _check_role(role)
-        return FullPrecisionStream()
+@dataclass(frozen=True)
+class GroupQuantBase(CompressionConfig):
+    """Asymmetric group quantization of keys and values with a full-precision residual
+    window of ``residual_length`` tokens (KIVI's streaming rule).  Subclasses define the
+    field ``residual_length`` and :meth:`key_spec` / :meth:`value_spec`.
+
+    Per-channel roles use the block-flush rule (buffer of R tokens, quantized when full);
+    per-token roles use a FIFO of the last R tokens."""
+
+    method: ClassVar[str] = "group"
+
+    def __post_init__(self):
+        ks, vs = self.key_spec(), self.value_spec()  # validates
+        R = self.residual_length
+        if isinstance(R, bool) or not isinstance(R, int) or R < 0:
+            raise ValueError(f"argument 'residual_length' must be an int >= 0, got {R!r}")
+        for spec, role in ((ks, "key"), (vs, "value")):
+            if spec.per_channel:
+                if R == 0:
+                    raise ValueError(
+                        f"argument 'residual_length' must be > 0 with per-channel {role}s "
+                        "(tokens are quantized R at a time)")
+                if spec.group_size != -1 and R % spec.group_size:
+                    raise ValueError(
+                        f"argument 'residual_length' ({R}) must be a multiple "
+                        f"of the {role} group size ({spec.group_size})")
+
+    def key_spec(self) -> QuantSpec:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def value_spec(self) -> QuantSpec:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def spec(self, role: str) -> QuantSpec:
+        return self.key_spec() if _check_role(role) == "key" else self.value_spec()
 
 
 @dataclass(frozen=True)
-class GroupQuantConfig(CompressionConfig):
-    """Generic asymmetric group quantization of keys and values with a full-precision
-    residual window (``residual_length`` tokens, KIVI's streaming rule).
-
-    Per-channel keys use the block-flush rule (buffer of R tokens, quantized when full);
-    per-token roles use a FIFO of the last R tokens.  Specialised below as KIVI, KCVT,
-    naive per-token INT-b and FlexGen-style group quantization.
-    """
+class GroupQuantConfig(GroupQuantBase):
+    """Generic group quantization: every grouping parameter of keys and values explicit."""
 
     bits: int = 4
     key_group_size: int = 32
@@ -108,22 +180,6 @@ class GroupQuantConfig(CompressionConfig):
     key_per_channel: bool = True
     value_per_channel: bool = False
     residual_length: int = 128
-    method: ClassVar[str] = "group"
-
-    def __post_init__(self):
-        ks, vs = self.key_spec(), self.value_spec()  # validates
-        if self.residual_length < 0:
-            raise ValueError(f"argument 'residual_length' must be >= 0, got {self.residual_length}")
-        for spec, role in ((ks, "key"), (vs, "value")):
-            if spec.per_channel:
-                if self.residual_length == 0:
-                    raise ValueError(
-                        f"argument 'residual_length' must be > 0 with per-channel {role}s "
-                        "(tokens are quantized R at a time)")
-                if spec.group_size != -1 and self.residual_length % spec.group_size:
-                    raise ValueError(
-                        f"argument 'residual_length' ({self.residual_length}) must be a multiple "
-                        f"of the {role} group size ({spec.group_size})")
 
     def key_spec(self) -> QuantSpec:
         return QuantSpec(self.bits, self.key_group_size, self.key_per_channel)
@@ -131,88 +187,68 @@ class GroupQuantConfig(CompressionConfig):
     def value_spec(self) -> QuantSpec:
         return QuantSpec(self.bits, self.value_group_size, self.value_per_channel)
 
-    def spec(self, role: str) -> QuantSpec:
-        return self.key_spec() if _check_role(role) == "key" else self.value_spec()
 
-    def compress(self, x, role, *, check_finite=True):
-        from .compressed import GroupQuantized
-        return GroupQuantized.from_tensor(x, self.spec(role), check_finite=check_finite)
-
-    def new_stream(self, role, *, check_finite=True):
-        from .streams import BlockFlushStream, FifoStream
-        spec = self.spec(role)
-        if spec.per_channel:
-            # In a stream each flushed block of R tokens is quantized on its own, so a
-            # whole-axis (KCVT) channel group becomes "the whole block": G = R.
-            if spec.group_size == -1:
-                spec = QuantSpec(spec.bits, self.residual_length, True)
-            return BlockFlushStream(spec, self.residual_length, check_finite=check_finite)
-        return FifoStream(spec, self.residual_length, check_finite=check_finite)
-
-
-class KIVIConfig(GroupQuantConfig):
+@dataclass(frozen=True)
+class KIVIConfig(GroupQuantBase):
     """KIVI: per-channel keys (G tokens), per-token values (G channels), residual R."""
 
+    bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
     method: ClassVar[str] = "kivi"
 
-    def __init__(self, bits: int = 2, group_size: int = 32, residual_length: int = 128, **kw):
-        super().__init__(bits=bits, key_group_size=group_size, value_group_size=group_size,
-                         key_per_channel=True, value_per_channel=False,
-                         residual_length=residual_length)
+    def key_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.group_size, True)
 
-    @property
-    def group_size(self) -> int:
-        return self.key_group_size
-
-    def to_dict(self):
-        return {"__class__": "KIVIConfig", "__version__": self.version, "bits": self.bits,
-                "group_size": self.group_size, "residual_length": self.residual_length}
+    def value_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.group_size, False)
 
 
-class KCVTConfig(GroupQuantConfig):
+@dataclass(frozen=True)
+class KCVTConfig(GroupQuantBase):
     """KCVT: one scale/zero per whole key channel and per whole value token."""
 
+    bits: int = 4
+    residual_length: int = 128
     method: ClassVar[str] = "kcvt"
 
-    def __init__(self, bits: int = 4, residual_length: int = 128, **kw):
-        super().__init__(bits=bits, key_group_size=-1, value_group_size=-1,
-                         key_per_channel=True, value_per_channel=False,
-                         residual_length=residual_length)
+    def key_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, -1, True)
 
-    def to_dict(self):
-        return {"__class__": "KCVTConfig", "__version__": self.version, "bits": self.bits,
-                "residual_length": self.residual_length}
+    def value_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, -1, False)
 
 
-class PerTokenIntConfig(GroupQuantConfig):
+@dataclass(frozen=True)
+class PerTokenIntConfig(GroupQuantBase):
     """Naive per-token INT-b: one asymmetric scale/zero per token vector, keys and values,
-    every token quantized on arrival (no residual)."""
+    every token quantized on arrival (no residual by default)."""
 
+    bits: int = 4
+    residual_length: int = 0
     method: ClassVar[str] = "int-per-token"
 
-    def __init__(self, bits: int = 4, residual_length: int = 0, **kw):
-        super().__init__(bits=bits, key_group_size=-1, value_group_size=-1,
-                         key_per_channel=False, value_per_channel=False,
-                         residual_length=residual_length)
+    def key_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, -1, False)
 
-    def to_dict(self):
-        return {"__class__": "PerTokenIntConfig", "__version__": self.version, "bits": self.bits,
-                "residual_length": self.residual_length}
+    def value_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, -1, False)
 
 
-class FlexGenConfig(GroupQuantConfig):
-    """FlexGen-style: per-token groups of 64 channels for keys and values, 4-bit."""
+@dataclass(frozen=True)
+class FlexGenConfig(GroupQuantBase):
+    """FlexGen-style: per-token groups of ``group_size`` channels for keys and values."""
 
+    bits: int = 4
+    group_size: int = 64
+    residual_length: int = 0
     method: ClassVar[str] = "flexgen"
 
-    def __init__(self, bits: int = 4, group_size: int = 64, residual_length: int = 0, **kw):
-        super().__init__(bits=bits, key_group_size=group_size, value_group_size=group_size,
-                         key_per_channel=False, value_per_channel=False,
-                         residual_length=residual_length)
+    def key_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.group_size, False)
 
-    def to_dict(self):
-        return {"__class__": "FlexGenConfig", "__version__": self.version, "bits": self.bits,
-                "group_size": self.key_group_size, "residual_length": self.residual_length}
+    def value_spec(self) -> QuantSpec:
+        return QuantSpec(self.bits, self.group_size, False)
 
 
 # ----------------------------------------------------------------------------- presets
@@ -252,17 +288,16 @@ class HQMQConfig(CompressionConfig):
 
     Keys and values are treated alike; every token is encoded on arrival.  The secondary
     sets differ per (layer, KV head, role) and derive from ``seed`` (see
-    :func:`kvquant_ext.hqmq.derive_seed`).
+    :func:`kvquant_ext.hqmq_seed`).
     """
 
     secondary_size: int = 96
     radius_bits: int = 4
-    outlier_factor: "Optional[float]" = None
+    outlier_factor: Optional[float] = None
     seed: int = 0
     method: ClassVar[str] = "hqmq"
 
     def __post_init__(self):
-        import math
         s, b, f = self.secondary_size, self.radius_bits, self.outlier_factor
         if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 2048:
             raise ValueError(f"argument 'secondary_size' must be an int in 1..2048, got {s!r}")
@@ -273,17 +308,6 @@ class HQMQConfig(CompressionConfig):
             raise ValueError(f"argument 'outlier_factor' must be None or a finite number > 0, got {f!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"argument 'seed' must be a non-negative int, got {self.seed!r}")
-
-    def compress(self, x, role, *, check_finite=True, layer_idx: int = 0):
-        from .hqmq import HQMQCompressed
-        _check_role(role)
-        return HQMQCompressed.from_tensor(x, self, role, layer_idx=layer_idx,
-                                          check_finite=check_finite)
-
-    def new_stream(self, role, *, check_finite=True, layer_idx: int = 0):
-        from .hqmq import HQMQStream
-        _check_role(role)
-        return HQMQStream(self, role, layer_idx=layer_idx, check_finite=check_finite)
 
 
 PRESETS["hqmq-3.79"] = HQMQConfig(secondary_size=96, radius_bits=4)
@@ -356,16 +380,6 @@ class GEARConfig(CompressionConfig):
     def spec(self, role: str) -> QuantSpec:
         return self.key_spec() if _check_role(role) == "key" else self.value_spec()
 
-    def compress(self, x, role, *, check_finite=True, rank=None):
-        """Compress one whole block (prefill rank unless ``rank`` is given)."""
-        from .gear import GEARCompressed
-        return GEARCompressed.from_tensor(x, self, role, rank=self.rank if rank is None else rank,
-                                          check_finite=check_finite)
-
-    def new_stream(self, role, *, check_finite=True):
-        from .gear import GEARStream
-        _check_role(role)
-        return GEARStream(self, role, check_finite=check_finite)
 
 
 PRESETS["gear-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.02, rank=4, rank_decode=2,

@@ -17,7 +17,7 @@ import torch
 
 from . import _ops
 from .compressed import Compressed, check_cache_tensor
-from .config import GEARConfig, QuantSpec, _check_role
+from .config import GEARConfig, QuantSpec, _check_role, register_format
 from .streams import Growable, Stream
 
 _FIELDS = ("codes", "scale", "zero", "outlier_values", "outlier_indices", "A", "B")
@@ -196,7 +196,9 @@ class GEARStream(Stream):
 
     _SEG = ("A0", "B0", "ov0", "oi0", "off0", "od0")
 
-    def __init__(self, config: GEARConfig, role: str, *, check_finite: bool = True):
+    def __init__(self, config: GEARConfig, role: str, *, layer_idx: int = 0,
+                 check_finite: bool = True):
+        # (GEAR storage is the same for every layer: ``layer_idx`` is not used)
         super().__init__()
         self.config, self.role, self.check_finite = config, role, check_finite
         self.spec = config.spec(role)
@@ -415,3 +417,12 @@ class GEARStream(Stream):
                 self.od0 = od
             else:
                 self.od1.append(od)
+
+
+def _gear_compress(x, config, role, *, layer_idx=0, check_finite=True, rank=None):
+    """One whole block at the prefill rank unless ``rank`` is given."""
+    return GEARCompressed.from_tensor(x, config, role, rank=config.rank if rank is None else rank,
+                                      check_finite=check_finite)
+
+
+register_format(GEARConfig, compress=_gear_compress, new_stream=GEARStream)

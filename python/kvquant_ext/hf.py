@@ -57,8 +57,13 @@ except ImportError:  # pragma: no cover
     from transformers.modeling_utils import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+try:
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError:  # pragma: no cover - very old transformers
+    AttentionMaskInterface = sdpa_mask = None
+
 from .attention import decode_attention
-from .cache import KVCache, LayerCache
+from .cache import KVCache
 from .config import CompressionConfig, get_config
 
 ATTN_NAME = "kvq"
@@ -217,8 +222,7 @@ class QuantizedLayer(CacheLayerMixin):
         if self.kind == "sliding":
             self.inner.reset()
         elif self.layer_idx < self.parent.kv.num_layers:
-            self.parent.kv.layers[self.layer_idx] = LayerCache(self.parent.config,
-                                                                self.parent.kv.check_finite)
+            self.parent.kv.reset(self.layer_idx)
 
     def _unsupported(self, what: str):
         raise NotImplementedError(f"kvq QuantizedCache does not support {what} (compressed "
@@ -439,11 +443,8 @@ def register() -> None:
     if _registered:
         return
     AttentionInterface.register(ATTN_NAME, kvq_attention_forward)
-    try:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    if AttentionMaskInterface is not None:
         AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
-    except ImportError:  # pragma: no cover - very old transformers
-        pass
     _registered = True
 
 

@@ -15,13 +15,14 @@ import torch
 
 from . import _ops
 from .compressed import Compressed, check_cache_tensor
+from .config import HQMQConfig, register_format
 from .streams import Growable, Stream
 
 _ROLE_IDS = {"key": 0, "value": 1}
 TILE = 32  # tokens per tile of the outlier index (kHqmqTile in decode_attention_hqmq.h)
 
 
-def derive_seed(seed: int, layer_idx: int, role: str) -> int:
+def hqmq_seed(seed: int, layer_idx: int, role: str) -> int:
     """Seed of the secondary sets of one (layer, role): a hash of (seed, layer_idx, role)."""
     if role not in _ROLE_IDS:
         raise ValueError(f"argument 'role' must be 'key' or 'value', got {role!r}")
@@ -39,7 +40,7 @@ def hqmq_secondary(num_heads: int, secondary_size: int, seed: int, *, layer_idx:
     if secondary_size < 1:
         raise ValueError(f"argument 'secondary_size' must be >= 1, got {secondary_size}")
     g = torch.Generator(device="cpu")
-    g.manual_seed(derive_seed(seed, layer_idx, role))
+    g.manual_seed(hqmq_seed(seed, layer_idx, role))
     q = torch.randn((num_heads, secondary_size, 4), generator=g, dtype=torch.float64)
     q = q / q.norm(dim=-1, keepdim=True)
     return q.to(dtype=torch.float32, device=device)
@@ -104,7 +105,7 @@ class HQMQStream(Stream):
     """HQMQ storage of one role of one layer: every token is encoded on arrival (no
     full-precision buffer).  Med3x: the threshold is fixed from the first non-empty append
     (the prefill) and reused for every later token; the secondary sets come from
-    ``derive_seed(config.seed, layer_idx, role)``.
+    ``hqmq_seed(config.seed, layer_idx, role)``.
 
     Outlier index (Med3x only): the stream keeps its records ordered by the key
     ``(t // 32) * B * H + n`` (32-token tile, then row ``n = b * H + h``) and ``outlier_ptr``,
@@ -115,7 +116,7 @@ class HQMQStream(Stream):
 
     def __init__(self, config, role: str, *, layer_idx: int = 0, check_finite: bool = True):
         super().__init__()
-        derive_seed(config.seed, layer_idx, role)  # validates role and layer_idx
+        hqmq_seed(config.seed, layer_idx, role)  # validates role and layer_idx
         self.config, self.role, self.layer_idx = config, role, layer_idx
         self.check_finite = check_finite
         # capacity in whole 32-token tiles: every head's codes and scales start 16-byte aligned
@@ -238,3 +239,6 @@ class HQMQStream(Stream):
             self.secondary = hqmq_secondary(H, self.config.secondary_size, self.config.seed,
                                             layer_idx=self.layer_idx, role=self.role,
                                             device=self.device)
+
+
+register_format(HQMQConfig, compress=HQMQCompressed.from_tensor, new_stream=HQMQStream)

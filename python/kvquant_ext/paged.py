@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _ops
-from .config import CompressionConfig, FP16Config, GroupQuantConfig, QuantSpec, get_config
+from .config import CompressionConfig, FP16Config, GroupQuantBase, QuantSpec, get_config
 
 __all__ = ["PagedKVCache"]
 
@@ -93,7 +93,7 @@ class PagedKVCache:
             config = get_config(config)
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, got {type(config).__name__}")
-        if not isinstance(config, (FP16Config, GroupQuantConfig)):
+        if not isinstance(config, (FP16Config, GroupQuantBase)):
             raise NotImplementedError(f"PagedKVCache does not support {type(config).__name__} yet; supported: "
                                       "fp16 and the group-quantization presets (KIVI, KCVT, per-token INT, FlexGen)")
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("max_tokens", max_tokens),
@@ -111,7 +111,7 @@ class PagedKVCache:
         self.page_size, self.max_seqs, self.check_finite = page_size, max_seqs, check_finite
         P = page_size
         self.kspec = self.vspec = None
-        if isinstance(config, GroupQuantConfig):
+        if isinstance(config, GroupQuantBase):
             self.kspec = _paged_spec(config.key_spec(), P, head_dim)
             self.vspec = _paged_spec(config.value_spec(), P, head_dim)
             n_comp = 1 + -(-max_tokens // P)

@@ -1,16 +1,19 @@
 """Streaming storage of one role (keys or values) of one layer, used by
-:class:`kvquant_ext.KVCache`.  Each config's ``new_stream(role)`` returns one of these;
-new methods add their own ``Stream`` subclass.
+:class:`kvquant_ext.KVCache`, and the registered formats of :class:`~kvquant_ext.FP16Config`
+and the group-quantized configs.  A config's ``new_stream(role)`` returns one of these; new
+methods add their own ``Stream`` subclass and register it with
+:func:`kvquant_ext.register_format`.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional
 
 import torch
 
 from . import _ops
-from .compressed import check_cache_tensor
-from .config import QuantSpec
+from .compressed import FullPrecision, GroupQuantized, check_cache_tensor
+from .config import FP16Config, GroupQuantBase, QuantSpec, register_format
 
 
 class Growable:
@@ -50,20 +53,24 @@ class Growable:
 
 
 class Stream:
-    """One role of one layer: ``append``, ``dequantize``, ``seq_len``, ``nbytes``, state."""
+    """One role of one layer: ``append``, ``dequantize``, ``seq_len``, ``nbytes``, state.
+
+    ``max_abs``: the largest magnitude an appended entry may have (fp16 scales, zero points
+    and radii bound every compressed format); :class:`~kvquant_ext.KVCache` checks it, with
+    NaN/Inf, once per update."""
+
+    max_abs: float = 65504.0
 
     def __init__(self):
         self.dtype: Optional[torch.dtype] = None
         self._shape = None  # (B, H, D)
 
-    def validate(self, x: torch.Tensor, name: str, check_finite: bool = False) -> None:
-        """Raise if ``x`` cannot be appended (shape, dtype, device, optionally NaN/Inf);
-        changes nothing, so a cache can check keys and values before appending either."""
+    def validate(self, x: torch.Tensor, name: str) -> None:
+        """Raise if ``x`` cannot be appended (shape, dtype, device); changes nothing, so a
+        cache can check keys and values before appending either."""
         check_cache_tensor(x, name)
         if self._shape is not None:
             self._check(x, name)
-        if check_finite and not torch.isfinite(x).all():
-            raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
 
     def _check(self, x: torch.Tensor, name: str) -> None:
         check_cache_tensor(x, name)
@@ -110,6 +117,8 @@ class Stream:
 
 class FullPrecisionStream(Stream):
     """FP16 baseline: every token kept as given."""
+
+    max_abs = math.inf
 
     def __init__(self):
         super().__init__()
@@ -240,3 +249,31 @@ class FifoStream(_QuantStream):
         if n:
             self._quantize_into_store(full[:, :, :n])
         self.residual = full[:, :, n:].contiguous()
+
+
+# ----------------------------------------------------------------------------- formats
+def _fp16_compress(x, config, role, *, layer_idx=0, check_finite=True):
+    return FullPrecision(x)
+
+
+def _fp16_stream(config, role, *, layer_idx=0, check_finite=True):
+    return FullPrecisionStream()
+
+
+def _group_compress(x, config, role, *, layer_idx=0, check_finite=True):
+    return GroupQuantized.from_tensor(x, config.spec(role), check_finite=check_finite)
+
+
+def _group_stream(config, role, *, layer_idx=0, check_finite=True):
+    spec = config.spec(role)
+    if spec.per_channel:
+        # In a stream each flushed block of R tokens is quantized on its own, so a
+        # whole-axis (KCVT) channel group becomes "the whole block": G = R.
+        if spec.group_size == -1:
+            spec = QuantSpec(spec.bits, config.residual_length, True)
+        return BlockFlushStream(spec, config.residual_length, check_finite=check_finite)
+    return FifoStream(spec, config.residual_length, check_finite=check_finite)
+
+
+register_format(FP16Config, compress=_fp16_compress, new_stream=_fp16_stream)
+register_format(GroupQuantBase, compress=_group_compress, new_stream=_group_stream)
