@@ -106,7 +106,10 @@ class PagedKVCache:
             raise ValueError(f"argument 'page_size' must be a power of two >= 32, got {page_size!r}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"argument 'dtype' must be float16, bfloat16 or float32, got {dtype}")
-        self.config, self.dtype, self.device = config, dtype, torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.config, self.dtype, self.device = config, dtype, device
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.max_seqs, self.check_finite = page_size, max_seqs, check_finite
         P = page_size
