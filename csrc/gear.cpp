@@ -288,11 +288,13 @@ GearTuple gear_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_siz
       run_outlier_select_cpu(c.sel);
       alloc_gear_fill(c);
       KVQ_DISPATCH_INDEX_BYTES(c.sel.index_bytes, IdType, [&] {
-        at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) { gear::gear_mark_outliers_cpu<IdType>(g, b, e); });
+        at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) {
+          gear::gear_set_outliers_cpu<IdType, uint8_t>(g, g.omask, 1, b, e);
+        });
       });
       KVQ_DISPATCH_DTYPE(dt, DType, [&] {
         at::parallel_for(0, gear::num_groups(g), 16, [&](int64_t b, int64_t e) {
-          gear::gear_group_bounds_cpu<DType>(g, b, e);
+          for (int64_t u = b; u < e; ++u) gear::gear_group_bounds<DType>(g, u);
         });
         at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) { gear::gear_clamp_cpu<DType>(g, b, e); });
       });
@@ -313,7 +315,9 @@ GearTuple gear_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_siz
     });
     if (c.k > 0) {
       KVQ_DISPATCH_INDEX_BYTES(c.sel.index_bytes, IdType, [&] {
-        at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) { gear::gear_zero_outliers_cpu<IdType>(g, b, e); });
+        at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) {
+          gear::gear_set_outliers_cpu<IdType, uint16_t>(g, g.resid, 0, b, e);
+        });
       });
     }
   });

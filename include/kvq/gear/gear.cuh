@@ -18,49 +18,14 @@ inline unsigned gear_grid(int64_t work, int threads) {
   return (unsigned)(blocks < 1 ? 1 : blocks);
 }
 
-/// \brief omask = 1 at every stored outlier position (omask zeroed before; one thread per
-/// stored outlier).
-template <typename IdType>
-__global__ void GearMarkOutliersKernel(GearParams p) {
-  const IdType* idx = static_cast<const IdType*>(p.oindices);
-  const int64_t V = p.per_channel ? p.D : p.T, total = p.N * V * 2 * p.k;
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
-       i += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t vv = i / (2 * p.k);
-    p.omask[vec_offset(p, vv / V, vv % V, (int64_t)idx[i])] = 1;
-  }
-}
-
-/// \brief gbounds of every group (gear_group_bounds_cpu: the same sequential fminf / fmaxf
-/// over the non-outlier entries; NaN, NaN for an empty group).  One thread per group
+/// \brief gbounds of every group (gear_group_bounds, as the CPU twin).  One thread per group
 /// (per-channel groups: consecutive threads = consecutive channels, coalesced).
 template <typename DType>
 __global__ void GearGroupBoundsKernel(GearParams p) {
-  const DType* x = static_cast<const DType*>(p.x);
-  const int64_t G = p.q.group, D = p.D, total = num_groups(p);
+  const int64_t total = num_groups(p);
   for (int64_t u = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; u < total;
-       u += (int64_t)gridDim.x * blockDim.x) {
-    int64_t e0, step;
-    if (p.per_channel) {
-      const int64_t tg = u / D;
-      e0 = tg * G * D + (u - tg * D);
-      step = D;
-    } else {
-      e0 = u * G;
-      step = 1;
-    }
-    float lo = INFINITY, hi = -INFINITY;
-    for (int64_t i = 0; i < G; ++i) {
-      const int64_t e = e0 + i * step;
-      if (p.omask[e]) continue;
-      const float v = to_float(x[e]);
-      lo = fminf(lo, v);
-      hi = fmaxf(hi, v);
-    }
-    if (group_empty(lo, hi)) lo = hi = NAN;
-    p.gbounds[2 * u] = lo;
-    p.gbounds[2 * u + 1] = hi;
-  }
+       u += (int64_t)gridDim.x * blockDim.x)
+    gear_group_bounds<DType>(p, u);
 }
 
 /// \brief xc of element e (row, c) with value v (gear_clamp_cpu): x at inliers, the clamp
@@ -146,9 +111,9 @@ __global__ void GearResidualKernel(GearParams p) {
 /// shared memory as floats (finite check of x), fills the outliers within their groups (k > 0;
 /// gear_fill, as GearClampKernel), quantizes every group of the tile
 /// (quant::make_qparams / quant_code: the arithmetic of group_quant, so codes, scale and
-/// zero equal kvq.quantize of the clamped x), writes the packed codes and the fp16 residual
+/// zero equal kvq.quantize of the filled x), writes the packed codes and the fp16 residual
 /// xc - (code * scale + zero) (0 where non-finite; outliers are zeroed afterwards by
-/// GearZeroOutliersKernel).  Replaces GearClamp + group quantize + GearResidual: x is read
+/// GearSetOutliersKernel).  Replaces GearClamp + group quantize + GearResidual: x is read
 /// once instead of xc being written and read twice.  grid (ceil(T / rows), N), 256 threads.
 template <typename DType>
 __global__ void __launch_bounds__(256) GearClampQuantResidKernel(GearParams p, int rows) {
@@ -279,15 +244,16 @@ __global__ void __launch_bounds__(256) GearClampQuantResidKernel(GearParams p, i
   }
 }
 
-/// \brief resid = 0 at every outlier position (one thread per stored outlier).
-template <typename IdType>
-__global__ void GearZeroOutliersKernel(GearParams p) {
+/// \brief dst[position] = val at every stored outlier position (one thread per stored
+/// outlier): the residual's zeros (resid, 0) and the outlier mask (omask, 1).
+template <typename IdType, typename T>
+__global__ void GearSetOutliersKernel(GearParams p, T* dst, T val) {
   const IdType* idx = static_cast<const IdType*>(p.oindices);
   const int64_t V = p.per_channel ? p.D : p.T, total = p.N * V * 2 * p.k;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t vv = i / (2 * p.k);
-    p.resid[vec_offset(p, vv / V, vv % V, (int64_t)idx[i])] = 0;
+    dst[vec_offset(p, vv / V, vv % V, (int64_t)idx[i])] = val;
   }
 }
 
@@ -343,7 +309,8 @@ __global__ void GearScatterOutliersKernel(GearParams p) {
 template <typename DType, typename IdType>
 cudaError_t GearGroupBounds(const GearParams& p, cudaStream_t stream) {
   const int64_t total = p.N * (p.per_channel ? p.D : p.T) * 2 * p.k;
-  if (total > 0) GearMarkOutliersKernel<IdType><<<gear_grid(total, 256), 256, 0, stream>>>(p);
+  if (total > 0)
+    GearSetOutliersKernel<IdType, uint8_t><<<gear_grid(total, 256), 256, 0, stream>>>(p, p.omask, (uint8_t)1);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   const int64_t groups = num_groups(p);
@@ -383,7 +350,7 @@ template <typename IdType>
 cudaError_t GearZeroOutliers(const GearParams& p, cudaStream_t stream) {
   const int64_t total = p.N * (p.per_channel ? p.D : p.T) * 2 * p.k;
   if (total == 0) return cudaSuccess;
-  GearZeroOutliersKernel<IdType><<<gear_grid(total, 256), 256, 0, stream>>>(p);
+  GearSetOutliersKernel<IdType, uint16_t><<<gear_grid(total, 256), 256, 0, stream>>>(p, p.resid, (uint16_t)0);
   return cudaGetLastError();
 }
 

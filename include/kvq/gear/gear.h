@@ -121,7 +121,7 @@ KVQ_HOST_DEVICE int64_t group_index(const GearParams& p, int64_t row, int64_t c)
   return (n * (p.T / G) + t / G) * p.D + c;
 }
 
-/// \brief Quantization groups of the compress (units of gear_group_bounds_cpu).
+/// \brief Quantization groups of the compress (units of gear_group_bounds).
 KVQ_HOST_DEVICE int64_t num_groups(const GearParams& p) {
   if (p.q.group <= 0) return 0;
   return p.per_channel ? p.N * (p.T / p.q.group) * p.D : p.N * p.T * (p.D / p.q.group);
@@ -132,44 +132,32 @@ KVQ_HOST_DEVICE int64_t num_groups(const GearParams& p) {
 /// reduction from +INF / -INF.
 KVQ_HOST_DEVICE bool group_empty(float lo, float hi) { return !(lo <= hi); }
 
-/// \brief omask = 1 at the outlier positions of vectors [v0, v1) (omask zeroed before).
-template <typename IdType>
-void gear_mark_outliers_cpu(const GearParams& p, int64_t v0, int64_t v1) {
-  const IdType* idx = static_cast<const IdType*>(p.oindices);
-  const int64_t V = p.per_channel ? p.D : p.T;
-  for (int64_t vv = v0; vv < v1; ++vv)
-    for (int64_t s = 0; s < 2 * p.k; ++s)
-      p.omask[vec_offset(p, vv / V, vv % V, (int64_t)idx[vv * 2 * p.k + s])] = 1;
-}
-
-/// \brief gbounds of groups [u0, u1): fminf / fmaxf over the non-outlier entries in vector
-/// order (NaN ignored); NaN, NaN for an empty group.
+/// \brief gbounds of group u: fminf / fmaxf over its non-outlier entries in vector order
+/// (NaN ignored); NaN, NaN for an empty group.  (CPU twin and GearGroupBoundsKernel.)
 template <typename DType>
-void gear_group_bounds_cpu(const GearParams& p, int64_t u0, int64_t u1) {
+KVQ_HOST_DEVICE void gear_group_bounds(const GearParams& p, int64_t u) {
   const DType* x = static_cast<const DType*>(p.x);
   const int64_t G = p.q.group, D = p.D;
-  for (int64_t u = u0; u < u1; ++u) {
-    int64_t e0, step;  // first element, stride along the vector
-    if (p.per_channel) {
-      const int64_t tg = u / D, c = u - tg * D;  // tg = n * (T / G) + g: rows [tg G, tg G + G)
-      e0 = tg * G * D + c;
-      step = D;
-    } else {
-      e0 = u * G;  // row u / (D / G), channels [(u mod D / G) G, ... + G)
-      step = 1;
-    }
-    float lo = INFINITY, hi = -INFINITY;
-    for (int64_t i = 0; i < G; ++i) {
-      const int64_t e = e0 + i * step;
-      if (p.omask[e]) continue;
-      const float v = to_float(x[e]);
-      lo = fminf(lo, v);
-      hi = fmaxf(hi, v);
-    }
-    if (group_empty(lo, hi)) lo = hi = NAN;
-    p.gbounds[2 * u] = lo;
-    p.gbounds[2 * u + 1] = hi;
+  int64_t e0, step;  // first element, stride along the vector
+  if (p.per_channel) {
+    const int64_t tg = u / D;  // tg = n * (T / G) + g: rows [tg G, tg G + G), channel u - tg D
+    e0 = tg * G * D + (u - tg * D);
+    step = D;
+  } else {
+    e0 = u * G;  // row u / (D / G), channels [(u mod D / G) G, ... + G)
+    step = 1;
   }
+  float lo = INFINITY, hi = -INFINITY;
+  for (int64_t i = 0; i < G; ++i) {
+    const int64_t e = e0 + i * step;
+    if (p.omask[e]) continue;
+    const float v = to_float(x[e]);
+    lo = fminf(lo, v);
+    hi = fmaxf(hi, v);
+  }
+  if (group_empty(lo, hi)) lo = hi = NAN;
+  p.gbounds[2 * u] = lo;
+  p.gbounds[2 * u + 1] = hi;
 }
 
 /// \brief xc on rows [r0, r1) (x at inliers, clamp into the group's inlier range at outliers,
@@ -209,14 +197,15 @@ void gear_residual_cpu(const GearParams& p, const float* deq, int64_t r0, int64_
   }
 }
 
-/// \brief resid = 0 at the outlier positions of vectors [v0, v1).
-template <typename IdType>
-void gear_zero_outliers_cpu(const GearParams& p, int64_t v0, int64_t v1) {
+/// \brief dst[position] = val at the outlier positions of vectors [v0, v1) (the residual's
+/// zeros: dst = resid, val = 0; the outlier mask: dst = omask, val = 1).
+template <typename IdType, typename T>
+void gear_set_outliers_cpu(const GearParams& p, T* dst, T val, int64_t v0, int64_t v1) {
   const IdType* idx = static_cast<const IdType*>(p.oindices);
   const int64_t V = p.per_channel ? p.D : p.T;
   for (int64_t vv = v0; vv < v1; ++vv)
     for (int64_t s = 0; s < 2 * p.k; ++s)
-      p.resid[vec_offset(p, vv / V, vv % V, (int64_t)idx[vv * 2 * p.k + s])] = 0;
+      dst[vec_offset(p, vv / V, vv % V, (int64_t)idx[vv * 2 * p.k + s])] = val;
 }
 
 /// \brief out = DType(deq + A B^T) on rows [r0, r1) (deq: float dequantized backbone).

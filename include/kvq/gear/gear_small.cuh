@@ -8,7 +8,7 @@
 //   2. outliers: one warp per vector (key channel / value token), the 64-bit composite key
 //      (value, -index) of OutlierSelectWarpKernel, k + 1 rounds of a warp arg-max / arg-min;
 //      values / indices written in index order and an outlier bit mask in shared;
-//   3. group quantization, one thread per group: the group bounds (gear_group_bounds_cpu:
+//   3. group quantization, one thread per group: the group bounds (gear_group_bounds:
 //      fminf / fmaxf over the unmasked entries in vector order), xc = the outlier fill of
 //      gear_clamp_cpu (in place, rounded through DType), min/max of xc, make_qparams,
 //      codes into a byte tile and, in the same loop, the residual fp16(xc - (code * scale +
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kGearSmallThreads, 1) GearCompressSmallKernel(
         const int bit = b0 + i * bstep;
         return ((mask[bit >> 5] >> (bit & 31)) & 1u) != 0u;
       };
-      if (k > 0) {  // xc: gear_clamp_cpu with the group bounds of gear_group_bounds_cpu
+      if (k > 0) {  // xc: gear_clamp_cpu with the group bounds of gear_group_bounds
         float lo = INFINITY, hi = -INFINITY;
         for (int i = 0; i < G; ++i) {
           if (outlier(i)) continue;
