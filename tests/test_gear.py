@@ -345,7 +345,7 @@ def test_gear_compress_key_tail_and_small_rank():
 def test_presets():
     g2, g4 = kvq.get_config("gear-2"), kvq.get_config("gear-4")
     assert (g2.backbone, g2.bits, g2.group_size, g2.sparsity, g2.rank, g2.rank_decode, g2.iters,
-            g2.buffer_length) == ("kivi", 2, 64, 0.02, 4, 2, 3, 64)
+            g2.buffer_length) == ("kivi", 2, 64, 0.02, 4, 2, 8, 64)
     assert (g4.backbone, g4.bits, g4.buffer_length) == ("kcvt", 4, 20)
     assert kvq.get_config("gearl-2").sparsity == 0 and kvq.get_config("gearl-4").sparsity == 0
     assert kvq.get_config("outlier-2").rank == 0
