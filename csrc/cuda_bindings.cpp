@@ -117,8 +117,12 @@ GearTuple gear_compress_cuda(const at::Tensor& x, int64_t bits, int64_t group_si
   } else if (gear::gear_values_fused_ok(c.gear, dt)) {  // values, 16-bit, 1 <= k <= 8: one launch
     KVQ_CUDA_CALL(op, gear::gear_values_compress_cuda(c.gear, dt, stream));
   } else {
-    if (c.k > 0) KVQ_CUDA_CALL(op, select::outlier_select_cuda(c.sel.params, dt, c.sel.index_bytes, stream));
-    if (c.cqr) {  // clamp + quantize + residual in one pass over x
+    if (c.k > 0) {
+      KVQ_CUDA_CALL(op, select::outlier_select_cuda(c.sel.params, dt, c.sel.index_bytes, stream));
+      alloc_gear_fill(c);
+      KVQ_CUDA_CALL(op, gear::gear_group_bounds_cuda(c.gear, dt, c.sel.index_bytes, stream));
+    }
+    if (c.cqr) {  // outlier fill + quantize + residual in one pass over x
       KVQ_CUDA_CALL(op, gear::gear_clamp_quant_resid_cuda(c.gear, dt, stream));
     } else {
       if (c.k > 0) KVQ_CUDA_CALL(op, gear::gear_clamp_cuda(c.gear, dt, stream));

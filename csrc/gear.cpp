@@ -193,9 +193,7 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
     c.keys = gear::gear_keys_plan(N, T, D, group_size == -1 ? T : group_size, c.k);
   if (c.keys.ok && c.keys.split && c.k > 0)
     c.keys_sel = at::empty({gear::gear_keys_sel_words(N, D)}, c.x.options().dtype(at::kInt));
-  // clamp bounds as a tensor only for the multi-kernel path: the fused key kernels keep them in
-  // shared memory / keys_sel
-  c.sel = prepare_outlier_select(c.x, c.k, per_channel, /*want_bounds=*/c.k > 0 && !small && !c.keys.ok, op);
+  c.sel = prepare_outlier_select(c.x, c.k, per_channel, /*want_bounds=*/false, op);
   if (check_finite) c.status = at::zeros({1}, c.x.options().dtype(at::kInt));
   if (c.k > 0 && !small && !c.keys.ok) {
     if (!c.cqr) c.xc = at::empty_like(c.x);
@@ -248,7 +246,8 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
   auto& g = c.gear;
   g.x = c.x.data_ptr();
   g.xc = c.xc.defined() ? c.xc.data_ptr() : nullptr;
-  g.bounds = c.sel.bounds.defined() ? c.sel.bounds.data_ptr<float>() : nullptr;
+  g.gbounds = nullptr;  // alloc_gear_fill (CPU and the multi-kernel CUDA path)
+  g.omask = nullptr;
   g.resid = reinterpret_cast<uint16_t*>(c.resid.data_ptr());
   g.ovalues = c.sel.values.data_ptr();
   g.oindices = c.sel.indices.data_ptr();
@@ -267,6 +266,14 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
   return c;
 }
 
+void alloc_gear_fill(GearCompressCall& c) {
+  auto& g = c.gear;
+  c.omask = at::zeros({g.N, g.T, g.D}, c.x.options().dtype(at::kByte));
+  c.gbounds = at::empty({std::max<int64_t>(1, 2 * gear::num_groups(g))}, c.x.options().dtype(at::kFloat));
+  g.omask = c.omask.data_ptr<uint8_t>();
+  g.gbounds = c.gbounds.data_ptr<float>();
+}
+
 GearTuple gear_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_size, bool per_channel,
                             double sparsity, int64_t rank, int64_t iters, int64_t seed,
                             bool check_finite) {
@@ -279,7 +286,16 @@ GearTuple gear_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_siz
   translate_errors([&] {
     if (c.k > 0) {
       run_outlier_select_cpu(c.sel);
+      alloc_gear_fill(c);
+      KVQ_DISPATCH_INDEX_BYTES(c.sel.index_bytes, IdType, [&] {
+        at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) {
+          gear::gear_set_outliers_cpu<IdType, uint8_t>(g, g.omask, 1, b, e);
+        });
+      });
       KVQ_DISPATCH_DTYPE(dt, DType, [&] {
+        at::parallel_for(0, gear::num_groups(g), 16, [&](int64_t b, int64_t e) {
+          for (int64_t u = b; u < e; ++u) gear::gear_group_bounds<DType>(g, u);
+        });
         at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) { gear::gear_clamp_cpu<DType>(g, b, e); });
       });
     }
@@ -299,7 +315,9 @@ GearTuple gear_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_siz
     });
     if (c.k > 0) {
       KVQ_DISPATCH_INDEX_BYTES(c.sel.index_bytes, IdType, [&] {
-        at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) { gear::gear_zero_outliers_cpu<IdType>(g, b, e); });
+        at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) {
+          gear::gear_set_outliers_cpu<IdType, uint16_t>(g, g.resid, 0, b, e);
+        });
       });
     }
   });
@@ -349,7 +367,8 @@ GearDecompressCall prepare_gear_decompress(const at::Tensor& codes, const at::Te
   auto& g = c.gear;
   g.x = nullptr;
   g.xc = nullptr;
-  g.bounds = nullptr;
+  g.gbounds = nullptr;
+  g.omask = nullptr;
   g.resid = nullptr;
   g.ovalues = c.ovalues.data_ptr();
   g.oindices = c.oindices.data_ptr();

@@ -101,6 +101,7 @@ PowerIterCall prepare_power_iter(const at::Tensor& x, int64_t rank, int64_t iter
                                  bool want_ws, const char* op);
 struct GearCompressCall {
   at::Tensor x, xc, keys_ws, keys_sel, resid, status, A, B;
+  at::Tensor omask, gbounds;  // alloc_gear_fill: outlier mask and group bounds (GearParams)
   OutlierSelectCall sel;
   QuantizeCall quant;
   PowerIterCall pi;
@@ -115,6 +116,8 @@ struct GearCompressCall {
 GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_t group_size,
                                        bool per_channel, double sparsity, int64_t rank,
                                        int64_t iters, int64_t seed, bool check_finite, bool cuda);
+/// Outlier mask [N, T, D] (zeroed) and group bounds of the CPU / multi-kernel CUDA path.
+void alloc_gear_fill(GearCompressCall& c);
 struct GearDecompressCall {
   DequantizeCall dq;
   at::Tensor ovalues, oindices, A, B;

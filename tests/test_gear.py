@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
-from reference.gear_reference import (gear_ref, kivi_ref, outlier_count, outlier_select_ref,
+from reference.gear_reference import (gear_ref, group_fill_ref, kivi_ref, outlier_count, outlier_select_ref,
                                       power_iter_ref)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -125,6 +125,35 @@ def test_power_iter_near_optimal(T, d, rank):
     torch.testing.assert_close(A.double() @ A.double().mT, Ar @ Ar.mT, atol=2e-3, rtol=0)
 
 
+def residual_like(n, T, d, kind, seed=0):
+    """fp16 matrices [n, T, d] with the flat spectra of real GEAR quantization residuals
+    (SmolLM2 caches: keys a few leading directions then ~0.6 of the top singular value, values
+    almost white): sigma_i = 0.55 + 0.45 * 0.75^i (keys) or 1 - 0.5 i / (m - 1) (values)."""
+    g = torch.Generator().manual_seed(seed)
+    m = min(T, d)
+    U = torch.linalg.qr(torch.randn(n, T, m, generator=g, dtype=torch.float64)).Q
+    V = torch.linalg.qr(torch.randn(n, d, m, generator=g, dtype=torch.float64)).Q
+    i = torch.arange(m, dtype=torch.float64)
+    s = 0.55 + 0.45 * 0.75 ** i if kind == "keys" else 1 - 0.5 * i / (m - 1)
+    return ((U * s) @ V.mT * 0.01).half()
+
+
+@pytest.mark.parametrize("kind", ["keys", "values"])
+@pytest.mark.parametrize("T,d,rank", [(2048, 64, 4), (64, 64, 2), (2048, 128, 4), (64, 128, 2)])
+def test_power_iter_presets_within_1pct_on_residual_spectra(kind, T, d, rank):
+    """With the GEAR presets' iteration count the rank-r error is within 1 % of the exact
+    (torch.linalg.svd) rank-r error on residual-like spectra, prefill (T = 2048, rank 4) and
+    decode-block (T = 64, rank 2) shapes alike."""
+    iters = {kvq.PRESETS[n].iters for n in ("gear-2", "gear-4", "gearl-2", "gearl-4")}
+    assert len(iters) == 1
+    x = residual_like(4, T, d, kind, seed=T + d)
+    X = x.double()
+    A, B = kvq.lowrank_power_iter(x, rank, iters.pop(), 0)
+    err = (X - A.double() @ B.double().mT).flatten(-2).norm(dim=-1)
+    opt = torch.linalg.svdvals(X)[..., rank:].pow(2).sum(-1).sqrt()
+    assert (err <= 1.01 * opt).all(), (err / opt - 1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_power_iter_dtypes_and_batch_independence(dtype):
     X = decaying((3, 2, 100, 64), seed=5).to(dtype)
@@ -185,6 +214,66 @@ def test_gear_outliers_exact(dtype, per_channel):
     vec_r = rec.transpose(-1, -2) if per_channel else rec
     torch.testing.assert_close(torch.gather(vec_r, -1, oi.long()), ov, rtol=0, atol=0)
     torch.testing.assert_close(torch.gather(vec_x, -1, oi.long()), ov, rtol=0, atol=0)
+
+
+def _outlier_mask(x, oi, per_channel):
+    mask = torch.zeros(x.shape, dtype=torch.bool)
+    (mask.transpose(-1, -2) if per_channel else mask).scatter_(-1, oi.long(), True)
+    return mask
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_channel,T,D,G,s", [(True, 256, 64, 32, 0.04), (True, 64, 32, 8, 0.3),
+                                                  (False, 48, 128, 32, 0.05), (False, 40, 64, 8, 0.3)])
+def test_gear_backbone_fills_outliers_within_groups(dtype, per_channel, T, D, G, s):
+    """The backbone is kvq.quantize of x with every outlier clamped into its own quantization
+    group's inlier range (groups without an inlier: zeros), bit for bit; planted all-outlier
+    groups (s = 0.3) and NaN inliers (check_finite=False) included."""
+    x = kv_like(1, 2, T, D, seed=T + G, outlier_frac=0.03, dtype=dtype)
+    if s > 0.1:  # one whole group of the first vector far above (top) / below (bottom) the rest
+        xv = x.transpose(-1, -2) if per_channel else x
+        xv[..., 0, :G // 2] = 40.0
+        xv[..., 0, G // 2:G] = -40.0
+        xv[..., 1, G + 1] = float("nan")
+    out = kvq.gear_compress(x, 2, G, per_channel, s, 0, 1, 0, check_finite=False)
+    mask = _outlier_mask(x, out[4], per_channel)
+    xc = group_fill_ref(x, mask, G, per_channel)
+    for name, a, b in zip(("codes", "scale", "zero"), out[:3], kvq.quantize(xc, 2, G, per_channel, check_finite=False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    if s > 0.1:  # the planted group: scale 0, zero 0, codes 0 -- no stretched neighbour
+        assert (out[1][0, :, 0, 0] == 0).all() and (out[2][0, :, 0, 0] == 0).all()
+
+
+def channel_outlier_kv(B, H, T, D, seed=0, dtype=torch.float16):
+    """Key/value-like data with channel outliers: per-channel offsets and scales, 6 % of the
+    channels 8x larger, a slow drift along the tokens (a quantization group spans a fraction
+    of its channel's range) and 1 % spikes."""
+    g = torch.Generator().manual_seed(seed)
+    scale = (0.5 + torch.rand(B, H, 1, D, generator=g)) * torch.where(
+        torch.rand(B, H, 1, D, generator=g) < 0.06, 8.0, 1.0)
+    off = torch.randn(B, H, 1, D, generator=g)
+    t = torch.linspace(0, 1, T).view(1, 1, T, 1)
+    drift = torch.sin(2 * math.pi * (t * (1 + 3 * torch.rand(B, H, 1, D, generator=g))
+                                     + torch.rand(B, H, 1, D, generator=g)))
+    x = off + scale * (drift + 0.3 * torch.randn(B, H, T, D, generator=g))
+    spikes = torch.rand(B, H, T, D, generator=g) < 0.01
+    return (x + spikes * torch.randn(B, H, T, D, generator=g).sign() * scale).to(dtype)
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_gear2_beats_kivi2_on_channel_outliers(per_channel):
+    """gear-2 (2 bits, G = 64, s = 2 %, rank 4, the preset's iterations) reconstructs keys and
+    values with channel outliers better than kivi-2 with the same groups, and its backbone
+    with outliers alone (outlier-2) does too."""
+    cfg = kvq.PRESETS["gear-2"]
+    x = channel_outlier_kv(1, 4, 1024, 128, seed=7)
+    kivi = kvq.dequantize(*kvq.quantize(x, 2, 64, per_channel), 2, per_channel, x.dtype)
+    gear = kvq.gear_decompress(*kvq.gear_compress(x, 2, 64, per_channel, cfg.sparsity, cfg.rank,
+                                                  cfg.iters, 0), 2, per_channel, x.dtype)
+    outl = kvq.gear_decompress(*kvq.gear_compress(x, 2, 64, per_channel, cfg.sparsity, 0, 1, 0),
+                               2, per_channel, x.dtype)
+    e_kivi, e_gear, e_outl = rel_err(kivi, x), rel_err(gear, x), rel_err(outl, x)
+    assert e_gear < e_outl < e_kivi and e_gear < 0.75 * e_kivi, (e_gear, e_outl, e_kivi)
 
 
 @pytest.mark.parametrize("per_channel", [True, False])
@@ -256,7 +345,7 @@ def test_gear_compress_key_tail_and_small_rank():
 def test_presets():
     g2, g4 = kvq.get_config("gear-2"), kvq.get_config("gear-4")
     assert (g2.backbone, g2.bits, g2.group_size, g2.sparsity, g2.rank, g2.rank_decode, g2.iters,
-            g2.buffer_length) == ("kivi", 2, 64, 0.02, 4, 2, 3, 64)
+            g2.buffer_length) == ("kivi", 2, 64, 0.02, 4, 2, 8, 64)
     assert (g4.backbone, g4.bits, g4.buffer_length) == ("kcvt", 4, 20)
     assert kvq.get_config("gearl-2").sparsity == 0 and kvq.get_config("gearl-4").sparsity == 0
     assert kvq.get_config("outlier-2").rank == 0

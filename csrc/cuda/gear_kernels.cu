@@ -18,6 +18,13 @@ cudaError_t gear_compress_small_cuda(const GearSmallParams& p, DTypeId dtype, cu
   }
 }
 
+cudaError_t gear_group_bounds_cuda(const GearParams& p, DTypeId dtype, int index_bytes,
+                                   cudaStream_t stream) {
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&] {
+    return KVQ_DISPATCH_INDEX_BYTES(index_bytes, IdType, [&] { return GearGroupBounds<DType, IdType>(p, stream); });
+  });
+}
+
 cudaError_t gear_clamp_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream) {
   return KVQ_DISPATCH_DTYPE(dtype, DType, [&] { return GearClamp<DType>(p, stream); });
 }

@@ -10,6 +10,8 @@ bool gear_values_fused_ok(const GearParams& p, DTypeId dtype) {
   return dtype != DTypeId::kFloat32 && gear_values_supported(p, 2);
 }
 
+// k <= 2 (GEAR-L, gear-2 values): the KMAX = 2 kernel (selection network, 3 CTAs per SM);
+// 2 < k <= 8: KMAX = 4 / 8 (insertion lists of depth KMAX + 1).  Same outputs (gear_values.cuh).
 template <typename DType, int D, int BITS>
 static cudaError_t gear_values_by_k(const GearParams& p, cudaStream_t stream) {
   if (p.k <= 2) return GearValuesCompress<DType, D, BITS, 2>(p, stream);

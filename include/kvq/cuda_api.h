@@ -52,9 +52,13 @@ namespace linalg {
 cudaError_t power_iter_cuda(const PowerIterParams& p, DTypeId dtype, cudaStream_t stream);
 }  // namespace linalg
 namespace gear {
-/// \brief p.xc = clamp(p.x, bounds) (+ finite check of p.x into p.status).
+/// \brief p.omask (zeroed by the caller) and p.gbounds from the selected outliers (k > 0).
+cudaError_t gear_group_bounds_cuda(const GearParams& p, DTypeId dtype, int index_bytes,
+                                   cudaStream_t stream);
+/// \brief p.xc = p.x with the outliers filled within their groups (gear_clamp_cpu) (+ finite
+/// check of p.x into p.status).
 cudaError_t gear_clamp_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
-/// \brief Long-matrix path: clamp + quantize (p.q) + fp16 residual in one launch
+/// \brief Long-matrix path: outlier fill + quantize (p.q) + fp16 residual in one launch
 /// (gear_cqr_rows(...) > 0); outliers still need gear_zero_outliers_cuda.
 cudaError_t gear_clamp_quant_resid_cuda(const GearParams& p, DTypeId dtype, cudaStream_t stream);
 /// \brief p.resid = fp16(xc - dequant(p.q)).

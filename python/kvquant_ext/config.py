@@ -341,7 +341,7 @@ class GEARConfig(CompressionConfig):
     sparsity: float = 0.02
     rank: int = 4
     rank_decode: int = 2
-    iters: int = 3
+    iters: int = 8
     buffer_length: int = 64
     backbone: str = "kivi"
     seed: int = 0
@@ -383,12 +383,12 @@ class GEARConfig(CompressionConfig):
 
 
 PRESETS["gear-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.02, rank=4, rank_decode=2,
-                               iters=3, buffer_length=64, backbone="kivi")
-PRESETS["gear-4"] = GEARConfig(bits=4, sparsity=0.02, rank=4, rank_decode=2, iters=3,
+                               iters=8, buffer_length=64, backbone="kivi")
+PRESETS["gear-4"] = GEARConfig(bits=4, sparsity=0.02, rank=4, rank_decode=2, iters=8,
                                buffer_length=20, backbone="kcvt")
 PRESETS["gearl-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.0, rank=4, rank_decode=2,
-                                iters=3, buffer_length=64, backbone="kivi")
-PRESETS["gearl-4"] = GEARConfig(bits=4, sparsity=0.0, rank=4, rank_decode=2, iters=3,
+                                iters=8, buffer_length=64, backbone="kivi")
+PRESETS["gearl-4"] = GEARConfig(bits=4, sparsity=0.0, rank=4, rank_decode=2, iters=8,
                                 buffer_length=20, backbone="kcvt")
 PRESETS["outlier-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.02, rank=0, rank_decode=0,
                                   iters=3, buffer_length=64, backbone="kivi")

@@ -1,6 +1,8 @@
 """Plain-PyTorch reference of GEAR (METHODS.md §4): per-vector fixed-k outliers with the
-library's tie rule, the clamp-then-quantize backbone (quant_reference), the residual with
-zeros at outliers, and a QR-based subspace iteration from the same start vectors.
+library's tie rule, outliers filled within their own quantization group (clamped into the
+group's inlier range; a group without an inlier becomes +0) before the backbone
+quantization (quant_reference), the residual with zeros at outliers, and a QR-based subspace
+iteration from the same start vectors.
 
 Independent of the extension: only torch and quant_reference are used.
 """
@@ -85,6 +87,28 @@ def power_iter_ref(x: torch.Tensor, rank: int, iters: int, seed: int):
     return A, X.mT @ A
 
 
+def group_fill_ref(x: torch.Tensor, mask: torch.Tensor, group_size: int,
+                   per_channel: bool) -> torch.Tensor:
+    """xc of GEAR: inliers (mask False) unchanged, outliers clamped into their quantization
+    group's inlier range [lo, hi] (min / max over the group's inliers, NaN ignored), every
+    entry of a group without a non-NaN inlier +0."""
+    vec = _vectors(x.float(), per_channel)                 # [..., V, L]
+    m = _vectors(mask, per_channel)
+    L = vec.shape[-1]
+    G = L if group_size == -1 else group_size
+    g = vec.reshape(*vec.shape[:-1], L // G, G)
+    gm = m.reshape(g.shape)
+    inl = ~gm & ~torch.isnan(g)
+    lo = torch.where(inl, g, torch.inf).amin(-1, keepdim=True)
+    hi = torch.where(inl, g, -torch.inf).amax(-1, keepdim=True)
+    empty = ~inl.any(-1, keepdim=True)
+    clamped = torch.where(torch.isnan(g), lo, torch.minimum(torch.maximum(g, lo), hi))  # fmaxf(NaN, lo) = lo
+    filled = torch.where(gm, clamped, g)
+    filled = torch.where(empty, torch.zeros_like(g), filled)
+    out = filled.reshape(vec.shape)
+    return (out.transpose(-1, -2) if per_channel else out).to(x.dtype)
+
+
 def gear_ref(x: torch.Tensor, bits: int, group_size: int, per_channel: bool, sparsity: float,
              rank: int, iters: int = 3, seed: int = 0):
     """Reference GEAR reconstruction of x [..., T, D] (returns (recon, parts dict))."""
@@ -95,12 +119,10 @@ def gear_ref(x: torch.Tensor, bits: int, group_size: int, per_channel: bool, spa
     mask = torch.zeros(x.shape, dtype=torch.bool)
     values = idx = None
     if k > 0:
-        values, idx, lo, hi = outlier_select_ref(x, k, per_channel)
-        vec = _vectors(x.float(), per_channel)
-        vc = torch.minimum(torch.maximum(vec, lo.unsqueeze(-1)), hi.unsqueeze(-1))
-        xc = (vc.transpose(-1, -2) if per_channel else vc).to(x.dtype)
+        values, idx, _, _ = outlier_select_ref(x, k, per_channel)
         mvec = _vectors(mask, per_channel)
         mvec.scatter_(-1, idx, True)
+        xc = group_fill_ref(x, mask, group_size, per_channel)
     codes, scale, zero = quantize_ref(xc, bits, group_size, per_channel)
     deq = dequantize_ref(codes, scale, zero, per_channel)
     resid = (xc.float() - deq).half().float().masked_fill(mask, 0.0)

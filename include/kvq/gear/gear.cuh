@@ -18,27 +18,45 @@ inline unsigned gear_grid(int64_t work, int threads) {
   return (unsigned)(blocks < 1 ? 1 : blocks);
 }
 
-/// \brief xc = clamp(x, lo_v, hi_v), plus the finite check of x.  One thread per 16 bytes
-/// of a row (VEC consecutive elements; D is a multiple of 8 on this path).
+/// \brief gbounds of every group (gear_group_bounds, as the CPU twin).  One thread per group
+/// (per-channel groups: consecutive threads = consecutive channels, coalesced).
+template <typename DType>
+__global__ void GearGroupBoundsKernel(GearParams p) {
+  const int64_t total = num_groups(p);
+  for (int64_t u = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; u < total;
+       u += (int64_t)gridDim.x * blockDim.x)
+    gear_group_bounds<DType>(p, u);
+}
+
+/// \brief xc of element e (row, c) with value v (gear_clamp_cpu): x at inliers, the clamp
+/// into the group's bounds at outliers, +0 in an empty group; as a float of DType.
+template <typename DType>
+__device__ __forceinline__ float gear_fill(const GearParams& p, int64_t e, int64_t row, int64_t c, float v) {
+  const float* b = p.gbounds + 2 * group_index(p, row, c);
+  const float lo = b[0];
+  if (lo != lo) return 0.f;
+  if (!p.omask[e]) return v;
+  return to_float(from_float<DType>(fminf(fmaxf(v, lo), b[1])));
+}
+
+/// \brief xc (gear_fill), plus the finite check of x.  One thread per 16 bytes of a row
+/// (VEC consecutive elements; D is a multiple of 8 on this path).
 template <typename DType>
 __global__ void GearClampKernel(GearParams p) {
   constexpr int VEC = 16 / sizeof(DType);
   const DType* x = static_cast<const DType*>(p.x);
   DType* xc = static_cast<DType*>(p.xc);
-  const int64_t V = p.per_channel ? p.D : p.T;
   const int64_t total = p.N * p.T * p.D / VEC;
   int32_t status = 0;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t e0 = i * VEC, row = e0 / p.D, c0 = e0 - row * p.D;
-    const int64_t n = row / p.T, t = row - n * p.T;
     quant::VecT<DType, VEC> in = reinterpret_cast<const quant::VecT<DType, VEC>*>(x)[i], o;
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
       const float v = to_float(in.v[e]);
       if (p.status) status |= quant::value_status(v);
-      const int64_t b = (n * V + (p.per_channel ? c0 + e : t)) * 2;
-      o.v[e] = from_float<DType>(fminf(fmaxf(v, p.bounds[b]), p.bounds[b + 1]));
+      o.v[e] = from_float<DType>(gear_fill<DType>(p, e0 + e, row, c0 + e, v));
     }
     reinterpret_cast<quant::VecT<DType, VEC>*>(xc)[i] = o;
   }
@@ -90,12 +108,12 @@ __global__ void GearResidualKernel(GearParams p) {
 
 /// \brief Long-matrix path, one launch for steps 2-4 of the recipe: a CTA loads a tile of
 /// `rows` token rows of x (one per-channel group, or 64 rows for per-token groups) into
-/// shared memory as floats (finite check of x), clamps it into the inlier bounds (k > 0;
-/// rounded through DType exactly like GearClampKernel), quantizes every group of the tile
+/// shared memory as floats (finite check of x), fills the outliers within their groups (k > 0;
+/// gear_fill, as GearClampKernel), quantizes every group of the tile
 /// (quant::make_qparams / quant_code: the arithmetic of group_quant, so codes, scale and
-/// zero equal kvq.quantize of the clamped x), writes the packed codes and the fp16 residual
+/// zero equal kvq.quantize of the filled x), writes the packed codes and the fp16 residual
 /// xc - (code * scale + zero) (0 where non-finite; outliers are zeroed afterwards by
-/// GearZeroOutliersKernel).  Replaces GearClamp + group quantize + GearResidual: x is read
+/// GearSetOutliersKernel).  Replaces GearClamp + group quantize + GearResidual: x is read
 /// once instead of xc being written and read twice.  grid (ceil(T / rows), N), 256 threads.
 template <typename DType>
 __global__ void __launch_bounds__(256) GearClampQuantResidKernel(GearParams p, int rows) {
@@ -108,7 +126,6 @@ __global__ void __launch_bounds__(256) GearClampQuantResidKernel(GearParams p, i
   const int64_t n = blockIdx.y, t0 = (int64_t)blockIdx.x * rows;
   const int nr = (int)(p.T - t0 < rows ? p.T - t0 : rows);  // rows of this tile
   const DType* x = static_cast<const DType*>(p.x) + (n * p.T + t0) * D;
-  const int64_t V = p.per_channel ? p.D : p.T;
   int32_t status = 0;
   const int vpr = D / VEC;
   for (int idx = tid; idx < nr * vpr; idx += 256) {
@@ -119,8 +136,8 @@ __global__ void __launch_bounds__(256) GearClampQuantResidKernel(GearParams p, i
       float v = to_float(in.v[e]);
       if (p.status) status |= quant::value_status(v);
       if (p.k > 0) {
-        const int64_t b = (n * V + (p.per_channel ? c0 + e : t0 + r)) * 2;
-        v = to_float(from_float<DType>(fminf(fmaxf(v, p.bounds[b]), p.bounds[b + 1])));
+        const int64_t row = n * p.T + t0 + r;
+        v = gear_fill<DType>(p, row * D + c0 + e, row, c0 + e, v);
       }
       Rs[r * D + c0 + e] = v;
     }
@@ -227,15 +244,16 @@ __global__ void __launch_bounds__(256) GearClampQuantResidKernel(GearParams p, i
   }
 }
 
-/// \brief resid = 0 at every outlier position (one thread per stored outlier).
-template <typename IdType>
-__global__ void GearZeroOutliersKernel(GearParams p) {
+/// \brief dst[position] = val at every stored outlier position (one thread per stored
+/// outlier): the residual's zeros (resid, 0) and the outlier mask (omask, 1).
+template <typename IdType, typename T>
+__global__ void GearSetOutliersKernel(GearParams p, T* dst, T val) {
   const IdType* idx = static_cast<const IdType*>(p.oindices);
   const int64_t V = p.per_channel ? p.D : p.T, total = p.N * V * 2 * p.k;
   for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total;
        i += (int64_t)gridDim.x * blockDim.x) {
     const int64_t vv = i / (2 * p.k);
-    p.resid[vec_offset(p, vv / V, vv % V, (int64_t)idx[i])] = 0;
+    dst[vec_offset(p, vv / V, vv % V, (int64_t)idx[i])] = val;
   }
 }
 
@@ -287,6 +305,19 @@ __global__ void GearScatterOutliersKernel(GearParams p) {
 // ---------------------------------------------------------------------------
 // Launchers
 // ---------------------------------------------------------------------------
+/// \brief omask + gbounds (p.omask zeroed by the caller; k > 0).
+template <typename DType, typename IdType>
+cudaError_t GearGroupBounds(const GearParams& p, cudaStream_t stream) {
+  const int64_t total = p.N * (p.per_channel ? p.D : p.T) * 2 * p.k;
+  if (total > 0)
+    GearSetOutliersKernel<IdType, uint8_t><<<gear_grid(total, 256), 256, 0, stream>>>(p, p.omask, (uint8_t)1);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  const int64_t groups = num_groups(p);
+  if (groups > 0) GearGroupBoundsKernel<DType><<<gear_grid(groups, 256), 256, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename DType>
 cudaError_t GearClamp(const GearParams& p, cudaStream_t stream) {
   const int64_t total = p.N * p.T * p.D / (16 / sizeof(DType));
@@ -319,7 +350,7 @@ template <typename IdType>
 cudaError_t GearZeroOutliers(const GearParams& p, cudaStream_t stream) {
   const int64_t total = p.N * (p.per_channel ? p.D : p.T) * 2 * p.k;
   if (total == 0) return cudaSuccess;
-  GearZeroOutliersKernel<IdType><<<gear_grid(total, 256), 256, 0, stream>>>(p);
+  GearSetOutliersKernel<IdType, uint16_t><<<gear_grid(total, 256), 256, 0, stream>>>(p, p.resid, (uint16_t)0);
   return cudaGetLastError();
 }
 

@@ -1,10 +1,11 @@
 // Fused GEAR compress of KEY caches (per-channel vectors) for long matrices: outlier
-// selection + clamp + per-channel group quantization + fp16 residual in one kernel that
-// reads x once.  Torch-free.  Plan and selection scheme: gear_keys.h.  The outputs equal
-// those of the multi-kernel path (OutlierSelect -> GearClampQuantResid -> GearZeroOutliers)
-// bit for bit: the same total order (16-bit order key, then smaller index counts as larger),
-// values as raw input bits, the clamp / make_qparams / quant_code / FMA arithmetic of
-// GearClampQuantResidKernel.
+// selection + outlier fill + per-channel group quantization + fp16 residual in one kernel
+// that reads x once.  Torch-free.  Plan and selection scheme: gear_keys.h.  The outputs equal
+// those of the multi-kernel path (OutlierSelect -> GearGroupBounds -> GearClampQuantResid ->
+// GearZeroOutliers) bit for bit: the same total order (16-bit order key, then smaller index
+// counts as larger), values as raw input bits, the group bounds of gear.h (fminf / fmaxf over
+// the non-outlier entries; an empty group quantizes as min = max = 0), the outliers' clamp
+// into them, make_qparams / quant_code / FMA arithmetic of GearClampQuantResidKernel.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -166,7 +167,7 @@ __device__ __forceinline__ uint32_t gk_min_above(const F& key_at, int n, uint32_
 /// Writes outlier values / indices (p.ovalues / p.oindices, int16), codes / scale / zero
 /// (p.q), the fp16 residual p.resid (0 at outliers and where non-finite) and p.status.
 /// SEL (split path, k > 0 only): steps 1-4 only; instead of step 5 it writes p.keys_sel
-/// (lo, hi, thr_top, thr_bot per channel) for GearKeysQuantResidKernel; no outlier mask.
+/// (thr_top, thr_bot per channel) for GearKeysQuantResidKernel; no outlier mask.
 template <typename DType, int BITS, bool SEL = false>
 __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams p, GearKeysPlan pl) {
   constexpr int NT = kGearKeysThreads, NC = kGearKeysChannels;
@@ -180,7 +181,6 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   uint16_t* exch = reinterpret_cast<uint16_t*>(gk_smem + pl.slots + mask_u4);  // [2][NC][NT]
   uint32_t* buf = reinterpret_cast<uint32_t*>(gk_smem + pl.slots + mask_u4);   // [2][NC][cap] (aliases exch)
   __shared__ int s_cnt[2][NC];
-  __shared__ float s_lo[NC], s_hi[NC];
   __shared__ float s_red[NT / 32][NC][2];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -444,18 +444,8 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
             base += __popc(m);
           }
         }
-        if (lane == 0) {
-          DType bv;
-          bv.bits = (uint16_t)gk_val_bits(Kkt, side);
-          if constexpr (SEL) {  // [N][4][D]: lo, hi, thr_top, thr_bot
-            uint32_t* ws = p.keys_sel + n * 4 * p.D + s * NC + c;
-            ws[(1 - side) * p.D] = __float_as_uint(to_float(bv));
-            ws[(2 + side) * p.D] = side == 0 ? Kk : ~Kk;
-          } else if (side == 0) {
-            s_hi[c] = to_float(bv);
-          } else {
-            s_lo[c] = to_float(bv);
-          }
+        if constexpr (SEL) {  // [N][2][D]: thr_top, thr_bot
+          if (lane == 0) p.keys_sel[n * 2 * p.D + side * p.D + s * NC + c] = side == 0 ? Kk : ~Kk;
         }
       }
     }
@@ -463,24 +453,19 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
   }
   if constexpr (SEL) return;  // step 5: GearKeysQuantResidKernel
 
-  // ---- 5. clamp + per-channel group quantization + residual
-  // (compiled twice: with and without outliers, so the k == 0 path carries no clamp / outlier
+  // ---- 5. group bounds + outlier fill + per-channel group quantization + residual
+  // (compiled twice: with and without outliers, so the k == 0 path carries no mask / fill
   // instructions and the k > 0 path no predicates on k; same arithmetic either way)
+  const uint8_t* om = reinterpret_cast<const uint8_t*>(omask) + tid;
   auto phase5 = [&](auto has_k) {
     constexpr bool HK = decltype(has_k)::value;
-    float lo[NC], hi[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      lo[c] = HK ? s_lo[c] : 0.f;
-      hi[c] = HK ? s_hi[c] : 0.f;
-    }
-    auto xc_of = [&](uint32_t h, int c) {
+    auto x_of = [&](uint32_t h) {
       DType d;
       d.bits = (uint16_t)h;
-      float v = to_float(d);
-      if constexpr (HK) v = to_float(from_float<DType>(fminf(fmaxf(v, lo[c]), hi[c])));
-      return v;
+      return to_float(d);
     };
+    // min / max over the group's non-outlier entries (HK; all entries for k == 0): the group
+    // bounds, which are also the min / max of xc (the outliers are filled inside them)
     float mn[NC], mx[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
@@ -489,9 +474,10 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
     }
     for (int t = t0; t < t1; ++t) {
       const uint4 v = slab[t ^ sw];
+      const uint32_t m = HK ? (uint32_t)om[(t - t0) * NT] : 0u;  // outlier channel bits
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
-        const float xv = xc_of(gk_half(v, c), c);
+        const float xv = ((m >> c) & 1u) ? NAN : x_of(gk_half(v, c));  // NaN: ignored
         mn[c] = fminf(mn[c], xv);
         mx[c] = fmaxf(mx[c], xv);
       }
@@ -534,6 +520,17 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
       }
     }
     if (t0 >= T) return;  // no tokens (after the last block-wide barrier)
+    if constexpr (HK) {
+#pragma unroll
+      for (int c = 0; c < NC; ++c)
+        if (group_empty(mn[c], mx[c])) mn[c] = mx[c] = 0.f;  // empty group: quantizes as zeros
+    }
+    // xc at an outlier: its clamp into the group bounds (gear_clamp_cpu); inliers: x
+    auto xc_of = [&](uint32_t h, int c, uint32_t m) {
+      float v = x_of(h);
+      if (HK && ((m >> c) & 1u)) v = to_float(from_float<DType>(fminf(fmaxf(v, mn[c]), mx[c])));
+      return v;
+    };
     float qs[NC], qz[NC], qi[NC];
     {
       uint16_t s16[NC], z16[NC];
@@ -563,7 +560,6 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
         *reinterpret_cast<uint4*>(p.q.zero + si) = zv;
       }
     }
-    const uint8_t* om = reinterpret_cast<const uint8_t*>(omask) + tid;
     constexpr float maxq = (float)((1 << BITS) - 1);
     uint8_t* codes = reinterpret_cast<uint8_t*>(p.q.codes) + (n * p.T) * (p.D * BITS / 8) + s * BITS;
     uint16_t* resid = p.resid + (n * p.T) * p.D + s * NC;
@@ -574,8 +570,7 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
       const uint32_t m = HK ? (uint32_t)om[(t - t0) * NT] : 0u;  // outlier channel bits
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
-        const uint32_t h = gk_half(v, c);
-        const float xv = xc_of(h, c);
+        const float xv = xc_of(gk_half(v, c), c, m);
         const uint32_t code = quant::quant_code(xv, qz[c], qi[c], maxq);
         word |= (uint64_t)code << (c * BITS);
         // NOTE: code * scale + zero as one FMA, as GearClampQuantResidKernel.
@@ -607,14 +602,15 @@ __global__ void __launch_bounds__(kGearKeysThreads, 2) GearKeysKernel(GearParams
     phase5(std::false_type{});
 }
 
-/// \brief Split path, step 5: clamp + per-channel group quantization + fp16 residual, one
-/// block per group of G = kGearKeysQuantTokens * (blockDim.x / CPL) tokens of one matrix x
+/// \brief Split path, step 5: outlier fill + per-channel group quantization + fp16 residual,
+/// one block per group of G = kGearKeysQuantTokens * (blockDim.x / CPL) tokens of one matrix x
 /// all D channels (the layout of quant::GroupQuantizePerChannelTileKernel: thread (s, kq)
 /// holds channels kq * 8.. of tokens s + i S in registers; coalesced 16-byte loads and
-/// residual stores).  HK (k > 0): per element xc = DType(clamp(x, lo, hi)) with the bounds of
-/// p.keys_sel (GearKeysKernel<.., true>), residual 0 at the outliers: ck >= thr_top or
-/// ck <= thr_bot with ck = orderable_key16(x) << 16 | (0xffff - t) of the RAW value; the
-/// finite check of x was done by the selection kernel.  !HK (k == 0): xc = x and the finite
+/// residual stores).  HK (k > 0): the outliers are the entries with ck >= thr_top or
+/// ck <= thr_bot (p.keys_sel of GearKeysKernel<.., true>; ck = orderable_key16(x) << 16 |
+/// (0xffff - t) of the raw value); the group bounds are the min / max over the others (an
+/// empty group: 0, 0), xc = DType(clamp(x, lo, hi)) at the outliers and x elsewhere, residual
+/// 0 at the outliers; the finite check of x was done by the selection kernel.  !HK (k == 0): xc = x and the finite
 /// check here.  Min / max, qparams and codes by the tile kernel's helpers (RawMinMax,
 /// tile_group_qparams, quantize_pack: bit-identical to make_qparams / quant_code on xc), the
 /// residual xc - fma(code, scale, zero) as GearKeysKernel's step 5 (0 where non-finite).
@@ -633,18 +629,14 @@ __global__ void __launch_bounds__(512) GearKeysQuantResidKernel(GearParams p) {
 #pragma unroll
   for (int i = 0; i < TPT; ++i) raw[i] = __ldcs(src + (int64_t)i * S * CPL);  // token s + i S
   uint32_t om[TPT / 4] = {};  // outlier bits: token i, channel c -> word i / 4, bit (i % 4) * 8 + c
+  auto outlier = [&](int i, int c) { return ((om[i / 4] >> ((i % 4) * 8 + c)) & 1u) != 0u; };
   if constexpr (HK) {
-    const uint32_t* ws = p.keys_sel + n * 4 * D + kq * VE;
-    float lo[VE], hi[VE];
+    const uint32_t* ws = p.keys_sel + n * 2 * D + kq * VE;
     uint32_t tt[VE], tb[VE];
 #pragma unroll
     for (int c = 0; c < VE; c += 4) {
-      const uint4 a = *reinterpret_cast<const uint4*>(ws + c);
-      const uint4 b = *reinterpret_cast<const uint4*>(ws + D + c);
-      const uint4 e = *reinterpret_cast<const uint4*>(ws + 2 * D + c);
-      const uint4 f = *reinterpret_cast<const uint4*>(ws + 3 * D + c);
-      lo[c] = __uint_as_float(a.x), lo[c + 1] = __uint_as_float(a.y), lo[c + 2] = __uint_as_float(a.z), lo[c + 3] = __uint_as_float(a.w);
-      hi[c] = __uint_as_float(b.x), hi[c + 1] = __uint_as_float(b.y), hi[c + 2] = __uint_as_float(b.z), hi[c + 3] = __uint_as_float(b.w);
+      const uint4 e = *reinterpret_cast<const uint4*>(ws + c);
+      const uint4 f = *reinterpret_cast<const uint4*>(ws + D + c);
       tt[c] = e.x, tt[c + 1] = e.y, tt[c + 2] = e.z, tt[c + 3] = e.w;
       tb[c] = f.x, tb[c + 1] = f.y, tb[c + 2] = f.z, tb[c + 3] = f.w;
     }
@@ -652,33 +644,69 @@ __global__ void __launch_bounds__(512) GearKeysQuantResidKernel(GearParams p) {
 #pragma unroll
     for (int i = 0; i < TPT; ++i) {
       const uint32_t tlow = 0xffffu - (t0 + (uint32_t)(i * S));
-      uint32_t w[4];
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const uint32_t x2 = gk_word(raw[i], j), k2 = gk_keys2(x2);
-        uint32_t o2 = 0;
+        const uint32_t k2 = gk_keys2(gk_word(raw[i], j));
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int c = 2 * j + h;
           const uint32_t ck = (((k2 >> (16 * h)) & 0xffffu) << 16) | tlow;
           if (ck >= tt[c] || ck <= tb[c]) om[i / 4] |= 1u << ((i % 4) * 8 + c);
-          DType d;
-          d.bits = (uint16_t)(x2 >> (16 * h));
-          // NOTE: exactly GearKeysKernel's xc_of (fmaxf / fminf tie rule, rounding through DType).
-          const uint32_t xb = from_float<DType>(fminf(fmaxf(to_float(d), lo[c]), hi[c])).bits;
-          o2 |= xb << (16 * h);
         }
-        w[j] = o2;
+      }
+    }
+  }
+  // group bounds: min / max over the non-outlier entries (HK: outliers replaced by a NaN,
+  // which RawMinMax's min / max ignore, as fminf / fmaxf ignore NaN inliers)
+  quant::RawMinMax<DType> mm;
+  mm.init();
+#pragma unroll
+  for (int i = 0; i < TPT; ++i) {
+    if constexpr (HK) {
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t x2 = gk_word(raw[i], j);
+        if (outlier(i, 2 * j)) x2 = (x2 & 0xffff0000u) | 0x7fffu;
+        if (outlier(i, 2 * j + 1)) x2 = (x2 & 0x0000ffffu) | 0x7fff0000u;
+        w[j] = x2;
+      }
+      mm.update(make_uint4(w[0], w[1], w[2], w[3]));
+    } else {
+      mm.update(raw[i]);
+    }
+  }
+  // qparams of the bounds (an empty group: of 0, 0), the bounds at qp + 3 D / 4 D (HK)
+  const float* qp = quant::tile_group_qparams<DType, D, BITS, true, HK>(mm, S, gkq_smem, p.q.scale + grp * D,
+                                                                        p.q.zero + grp * D);
+  if constexpr (HK) {  // xc: outliers clamped into the group bounds (gear_clamp_cpu), inliers x
+    float lo[VE], hi[VE];
+#pragma unroll
+    for (int c = 0; c < VE; ++c) {
+      lo[c] = qp[3 * D + kq * VE + c];
+      hi[c] = qp[4 * D + kq * VE + c];
+    }
+#pragma unroll
+    for (int i = 0; i < TPT; ++i) {
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t x2 = gk_word(raw[i], j);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int c = 2 * j + h;
+          if (outlier(i, c)) {
+            DType d;
+            d.bits = (uint16_t)(x2 >> (16 * h));
+            const uint32_t xb = from_float<DType>(fminf(fmaxf(to_float(d), lo[c]), hi[c])).bits;
+            x2 = (x2 & ~(0xffffu << (16 * h))) | (xb << (16 * h));
+          }
+        }
+        w[j] = x2;
       }
       raw[i] = make_uint4(w[0], w[1], w[2], w[3]);  // xc from here on
     }
   }
-  quant::RawMinMax<DType> mm;
-  mm.init();
-#pragma unroll
-  for (int i = 0; i < TPT; ++i) mm.update(raw[i]);
-  const float* qp = quant::tile_group_qparams<DType, D, BITS, true>(mm, S, gkq_smem, p.q.scale + grp * D,
-                                                                    p.q.zero + grp * D);
   float z[VE], inv[VE], sc[VE];
   quant::load_qp<VE>(qp, qp + D, kq, z, inv);
 #pragma unroll
@@ -705,7 +733,7 @@ __global__ void __launch_bounds__(512) GearKeysQuantResidKernel(GearParams p) {
       // NOTE: code * scale + zero as one FMA, as GearKeysKernel's step 5.
       const float d = xv - __fmaf_rn((float)code, sc[c], z[c]);
       bool zero = !isfinite(d);
-      if constexpr (HK) zero = zero || ((om[i / 4] >> ((i % 4) * 8 + c)) & 1u);
+      if constexpr (HK) zero = zero || outlier(i, c);
       r[c] = __half_as_ushort(__float2half_rn(zero ? 0.f : d));
     }
     resid[(int64_t)i * S * CPL] = make_uint4(r[0] | (r[1] << 16), r[2] | (r[3] << 16), r[4] | (r[5] << 16),
@@ -717,7 +745,8 @@ __global__ void __launch_bounds__(512) GearKeysQuantResidKernel(GearParams p) {
 template <typename DType, int BITS, int D>
 cudaError_t GearKeysLaunchQuantResid(const GearParams& p, const GearKeysPlan& pl, cudaStream_t stream) {
   const unsigned blocks = (unsigned)(p.N * p.T / p.q.group);
-  const size_t smem = 2 * (size_t)pl.qthreads * 16 + 3 * D * sizeof(float);
+  // exchange + qp (zero, inv, scale; with outliers also the group bounds)
+  const size_t smem = 2 * (size_t)pl.qthreads * 16 + (p.k > 0 ? 5 : 3) * D * sizeof(float);
   if (p.k > 0)
     GearKeysQuantResidKernel<DType, D, BITS, true><<<blocks, pl.qthreads, smem, stream>>>(p);
   else

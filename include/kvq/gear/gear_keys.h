@@ -1,5 +1,5 @@
 // GEAR compress, KEY side (per-channel vectors), long matrices: the launch plan of the fused
-// kernel of gear_keys.cuh (outlier selection + clamp + per-channel group quantization +
+// kernel of gear_keys.cuh (outlier selection + outlier fill + per-channel group quantization +
 // fp16 residual in ONE pass over x).  Torch-free, host only.
 //
 // A CTA owns one slab of 8 channels of one [T, D] matrix: the slab [T, 8] (16 bytes per
@@ -13,12 +13,16 @@
 //      among them by a bitwise search and writes the k selected entries in index order;
 //      a buffer overflow (many ties at tau) falls back to the same search over the whole
 //      channel (exact, slower).
+//   4. per quantization group (the tokens of `lanes` threads, or the whole channel): the bounds
+//      (min / max over the non-outlier entries, gear.h), the outliers clamped into them,
+//      quantization and the fp16 residual (0 at the outliers).
 // Split path (plan.split: KIVI grouping G < T where the per-channel tile layout applies):
-// the kernel above runs steps 1-4 only and writes per (matrix, channel) lo, hi and the two
-// composite thresholds to a workspace (GearParams::keys_sel, [N][4][D] 32-bit words); a
-// second, coalesced kernel (one block per group of G tokens x all D channels, tokens in
-// registers, as the KIVI tile kernel) clamps, quantizes and writes the fp16 residual.
-// k == 0 (GEAR-L): only the second kernel (no clamp, no outlier test).
+// the kernel above runs steps 1-3 only and writes per (matrix, channel) the two composite
+// thresholds to a workspace (GearParams::keys_sel, [N][2][D] 32-bit words); a second,
+// coalesced kernel (one block per group of G tokens x all D channels, tokens in registers,
+// as the KIVI tile kernel) marks the outliers by the thresholds, takes the group bounds,
+// fills the outliers, quantizes and writes the fp16 residual.
+// k == 0 (GEAR-L): only the second kernel (no outlier test, no fill).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -41,7 +45,7 @@ struct GearKeysPlan {
 /// Tokens per thread of GearKeysQuantResidKernel (= quant::kTileTokensPerThread).
 constexpr int kGearKeysQuantTokens = 8;
 /// Words of the split path's selection workspace (GearParams::keys_sel).
-inline int64_t gear_keys_sel_words(int64_t N, int64_t D) { return N * 4 * D; }
+inline int64_t gear_keys_sel_words(int64_t N, int64_t D) { return N * 2 * D; }
 
 constexpr int kGearKeysThreads = 256;
 constexpr int kGearKeysChannels = 8;  // channels per CTA (one 16-byte chunk of a token row)

@@ -7,13 +7,15 @@
 //   1. load x (16-byte loads), finite check of x, rows >= T zero;
 //   2. outliers: one warp per vector (key channel / value token), the 64-bit composite key
 //      (value, -index) of OutlierSelectWarpKernel, k + 1 rounds of a warp arg-max / arg-min;
-//      values / indices written in index order, bounds and an outlier bit mask in shared;
-//   3. clamp each vector into its inlier range (in place, rounded through DType as xc);
-//   4. group quantization (one thread per group: min/max, make_qparams, codes into a byte
-//      tile) and, in the same loop, the residual fp16(xc - (code * scale + zero)), 0 where
-//      non-finite or at an outlier, written back into Rs (as the float of the fp16 value);
-//   5. pack the byte codes into words (group_quant format);
-//   6. linalg::pow_small_run on Rs: the same code as PowerIterSmallKernel.
+//      values / indices written in index order and an outlier bit mask in shared;
+//   3. group quantization, one thread per group: the group bounds (gear_group_bounds:
+//      fminf / fmaxf over the unmasked entries in vector order), xc = the outlier fill of
+//      gear_clamp_cpu (in place, rounded through DType), min/max of xc, make_qparams,
+//      codes into a byte tile and, in the same loop, the residual fp16(xc - (code * scale +
+//      zero)), 0 where non-finite or at an outlier, written back into Rs (as the float of
+//      the fp16 value);
+//   4. pack the byte codes into words (group_quant format);
+//   5. linalg::pow_small_run on Rs: the same code as PowerIterSmallKernel.
 // Bit-compatibility: every step uses the arithmetic of the multi-launch path (and so the
 // CPU twin for outliers, scale, zero and codes); the factors equal those of the multi-launch
 // CUDA path (same fp16 residual, same power-iteration code).
@@ -43,7 +45,6 @@ __global__ void __launch_bounds__(kGearSmallThreads, 1) GearCompressSmallKernel(
   float* Ps = Rs + rows_pad * STRIDE;
   uint8_t* codes8 = reinterpret_cast<uint8_t*>(Ps + rows_pad * linalg::kBStride);
   uint32_t* mask = reinterpret_cast<uint32_t*>(codes8 + rows_pad * DMAX);
-  float* bnd = reinterpret_cast<float*>(mask + rows_pad * DMAX / 32);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t n = blockIdx.x;
@@ -79,11 +80,10 @@ __global__ void __launch_bounds__(kGearSmallThreads, 1) GearCompressSmallKernel(
   }
   __syncthreads();
 
-  // ---- 2. outliers (warp per vector) and 3. clamp
+  // ---- 2. outliers (warp per vector)
   const int64_t k = p.k;
   if (k > 0) {
     const int V = p.per_channel ? D : T, L = p.per_channel ? T : D;
-    const int64_t kt = (L >= 2 * k + 1) ? k + 1 : k;
     DType* values = static_cast<DType*>(p.ovalues);
     for (int v = warp; v < V; v += kGearSmallThreads / 32) {  // warp-uniform
       uint64_t key[8];
@@ -120,23 +120,11 @@ __global__ void __launch_bounds__(kGearSmallThreads, 1) GearCompressSmallKernel(
         pos_t += __popc(bt);
         pos_b += __popc(bb);
       }
-      if (lane == 0) {
-        const bool inl = kt == k + 1;
-        bnd[v * 2] = inl ? select::key_to_float((uint32_t)(lo_key >> 32)) : 0.f;
-        bnd[v * 2 + 1] = inl ? select::key_to_float((uint32_t)(hi_key >> 32)) : 0.f;
-      }
-    }
-    __syncthreads();
-    for (int idx = tid; idx < T * D; idx += kGearSmallThreads) {
-      const int t = idx / D, c = idx - t * D;
-      const int b = (p.per_channel ? c : t) * 2;
-      float* e = Rs + t * STRIDE + c;
-      *e = to_float(from_float<DType>(fminf(fmaxf(*e, bnd[b]), bnd[b + 1])));
     }
     __syncthreads();
   }
 
-  // ---- 4. quantize + residual: one thread per group
+  // ---- 3. outlier fill + quantize + residual: one thread per group
   {
     const int G = (int)p.group, bits = p.bits;
     const float maxq = (float)((1 << bits) - 1);
@@ -153,6 +141,28 @@ __global__ void __launch_bounds__(kGearSmallThreads, 1) GearCompressSmallKernel(
         c0 = (u - t0 * gpr) * G;
       }
       const int e0 = t0 * STRIDE + c0;
+      const int b0 = t0 * DMAX + c0, bstep = p.per_channel ? DMAX : 1;  // mask bits
+      auto outlier = [&](int i) {
+        const int bit = b0 + i * bstep;
+        return ((mask[bit >> 5] >> (bit & 31)) & 1u) != 0u;
+      };
+      if (k > 0) {  // xc: gear_clamp_cpu with the group bounds of gear_group_bounds
+        float lo = INFINITY, hi = -INFINITY;
+        for (int i = 0; i < G; ++i) {
+          if (outlier(i)) continue;
+          const float v = Rs[e0 + i * step];
+          lo = fminf(lo, v);
+          hi = fmaxf(hi, v);
+        }
+        const bool empty = group_empty(lo, hi);
+        for (int i = 0; i < G; ++i) {
+          float* e = Rs + e0 + i * step;
+          if (empty)
+            *e = 0.f;
+          else if (outlier(i))
+            *e = to_float(from_float<DType>(fminf(fmaxf(*e, lo), hi)));
+        }
+      }
       float mn = INFINITY, mx = -INFINITY;
       for (int i = 0; i < G; ++i) {
         const float v = Rs[e0 + i * step];
@@ -171,15 +181,14 @@ __global__ void __launch_bounds__(kGearSmallThreads, 1) GearCompressSmallKernel(
         // NOTE: same expression as GearResidualKernel (code * scale + zero, one FMA).
         const float d = xv - __fmaf_rn((float)code, q.scale, q.zero);
         float r = __half2float(__float2half_rn(isfinite(d) ? d : 0.f));
-        const int bit = t * DMAX + c;
-        if ((mask[bit >> 5] >> (bit & 31)) & 1u) r = 0.f;
+        if (outlier(i)) r = 0.f;
         *e = r;
       }
     }
   }
   __syncthreads();
 
-  // ---- 5. pack the codes (LSB-first words, group_quant layout)
+  // ---- 4. pack the codes (LSB-first words, group_quant layout)
   {
     const int bits = p.bits, cpw = 32 / bits, W = D * bits / 32;
     int32_t* codes = p.codes + n * (int64_t)T * W;
@@ -192,7 +201,7 @@ __global__ void __launch_bounds__(kGearSmallThreads, 1) GearCompressSmallKernel(
     }
   }
 
-  // ---- 6. low-rank factors of the residual (Rs complete after the barrier above)
+  // ---- 5. low-rank factors of the residual (Rs complete after the barrier above)
   if (p.rank > 0) {
     const int r = p.rank;
     linalg::pow_small_run<half_t, DMAX, RB>(Rs, Ps, rows_pad, T, D, r, p.iters, p.seed,

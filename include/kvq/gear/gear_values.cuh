@@ -1,11 +1,12 @@
 // GEAR compress, VALUE side (per-token vectors, per_channel = False), long matrices: one
-// kernel that reads every token row once and writes everything the select -> clamp +
-// quantize + residual -> zero-outliers chain writes (outlier_topk.cuh OutlierSelectWarp16,
-// gear.cuh GearClampQuantResid + GearZeroOutliers), with the CPU op's results.  Torch-free.
+// kernel that reads every token row once and writes everything the select -> group bounds ->
+// fill + quantize + residual -> zero-outliers chain writes (outlier_topk.cuh
+// OutlierSelectWarp16, gear.cuh GearGroupBounds / GearClampQuantResid / GearZeroOutliers),
+// with the CPU op's results.  Torch-free.
 //
 // Scope: fp16 / bf16, D in {64, 128, 256}, per-token groups G (power of two, 8 <= G <= D),
-// 0 <= k <= KMAX (2, 4 or 8 by instantiation; k = 0: GEAR-L, the clamp is skipped, the row
-// min/max rounds still run).  Everything else keeps the old path.
+// 0 <= k <= KMAX (2, 4 or 8 by instantiation; k = 0: GEAR-L, no outliers: the bounds are the
+// plain group min / max).  Everything else takes the multi-kernel path.
 //
 // Layout: 16 consecutive channels per lane (two 16-byte loads), LPR = D / 16 lanes per row
 // (4, 8, 16), 32 / LPR rows per warp and pass (rows strided over the grid, the next pass's
@@ -13,31 +14,26 @@
 // writes) is shared by 16-channel lanes.
 //  1. keys: the 32-bit composite (order key of the 16-bit value << 16 | b * 0x101), b = 0xff - j:
 //     the strict order (value, -index) of outlier_topk.h, -0 < +0, NaNs at the ends.
-//  2. selection: each lane keeps its P = min(KMAX + 1, 16) largest and smallest keys
-//     (insertion networks of unsigned max / min), then k + 1 rounds of a log2(LPR)-step xor
-//     butterfly (max / min) over the row's lanes on the list heads (the winning lane pops its
-//     head; keys are unique, so exactly one lane wins).  A lane holds at most k + 1 of the
-//     top k + 1, so the lists never run dry.  Round k yields hiK / loK, the (k+1)-th
-//     largest / smallest keys: outliers are exactly the keys > hiK or < loK, and the bounds
-//     are their values.  Lanes write the 2k selected entries at their rank by index (the
+//  2. selection: each lane keeps its P = min(KMAX + 1, 16) largest and smallest keys, then
+//     k + 1 rounds of a log2(LPR)-step xor butterfly (max / min) over the row's lanes on the
+//     list heads (the winning lane pops its head; keys are unique, so exactly one lane wins).
+//     A lane holds at most k + 1 of the top k + 1, so the lists never run dry.  Round k
+//     yields hiK / loK, the (k+1)-th largest / smallest keys: outliers are exactly the keys
+//     > hiK or < loK.  Lanes write the 2k selected entries at their rank by index (the
 //     winners are known to every lane of the row); after the residual stores (and a
 //     __syncwarp) they also store the outliers' residual 0.
-//  KMAX = 2 (GearValuesCompressK2Kernel; s = 2 % at D = 128, and GEAR-L): the lists come from
-//  a selection network (gear_select3.h: four sorted 4-groups, top-3 merges; same lists), and
-//  in the fast path below the clamp runs on the 16-bit words (max / min.f16x2 / .bf16x2) and
-//  a lane's group min / max (G >= 16) is the clamped value of its extreme keys (the clamp is
-//  monotone) instead of fminf / fmaxf over its 16 values.
-//  Fast path (warp-uniform): no value of the warp's rows outside [-65504, 65504] (NaN / Inf
-//  included; read off the lane's extreme keys) and no zero clamp bound: then clamp by
-//  fminf / fmaxf and codes without the q clamps and the residual finite check (same bits:
-//  the argument of group_quant.cuh's fast path).  Otherwise the exact path below.
-//  3. xc = clamp(x, lo, hi) with the CPU op's fmaxf / fminf semantics (glibc: ties return the
-//     first operand, a NaN operand returns the other one), so -0 / +0 and NaN cases match.
-//  4. per-token group min / max of xc (NaN ignored, as the CPU's fminf / fmaxf from
-//     +-INF); a zero extremum takes the sign of the group's first zero (the CPU's sequential
-//     fminf / fmaxf keeps the first of equal values).  make_qparams, codes (the 1.5 * 2^23
-//     rounding add == __float2int_rn of the clamped q, as group_quant.cuh's fast path),
-//     packed like group_quant.
+//     The per-lane lists: KMAX = 2 (GearValuesCompressK2Kernel, which serves k <= 2: s = 2 %
+//     at D = 128, and GEAR-L) by a selection network (gear_select3.h: four sorted 4-groups,
+//     top-3 merges), KMAX = 4 / 8 (GearValuesCompressKernel, 2 < k <= 8) by insertion
+//     networks of unsigned max / min; both give the same lists (dispatch: gear_values_kernels.cu).
+//  3. group bounds (gear.h): min / max over the group's non-outlier entries, NaN ignored (as
+//     fminf / fmaxf); an empty group (k > 0) takes 0, 0.  Fast path (warp-uniform: no value
+//     of the warp's rows outside [-65504, 65504], NaN / Inf included, read off the lane's
+//     extreme keys; G >= 16): a lane's inlier min / max are its list heads after the rounds.
+//  4. xc: inliers x, outliers fminf(fmaxf(x, lo), hi) with their group's bounds (the clamp's
+//     value only decides the outlier's code: its residual is zeroed).  make_qparams, codes
+//     (the 1.5 * 2^23 rounding add == __float2int_rn of the clamped q, as group_quant.cuh's
+//     fast path; the fast path drops the q clamps), packed like group_quant.
 //  5. resid = fp16(xc - fma(code, scale, zero)), 0 where non-finite or at an outlier.
 //  6. status: value_status of x (the clamp step's finite check).
 #pragma once
@@ -63,14 +59,6 @@ inline bool gear_values_supported(const GearParams& p, int dtype_bytes) {
          p.D % G == 0 && (p.q.bits == 2 || p.q.bits == 4 || p.q.bits == 8) && p.resid != nullptr &&
          (p.k == 0 || (p.ovalues != nullptr && p.oindices != nullptr));
 }
-
-/// CPU fmaxf / fminf (glibc): x unless y is larger / smaller; a NaN y returns x, a NaN x
-/// returns y.  ynan = isnan(y), precomputed per row.
-__device__ __forceinline__ float gv_cpu_fmax(float x, float y, bool ynan) { return (x >= y || ynan) ? x : y; }
-__device__ __forceinline__ float gv_cpu_fmin(float x, float y, bool ynan) { return (x <= y || ynan) ? x : y; }
-
-/// First-zero code of an ordered combine: 0 none, 1 +0, 2 -0; a wins when it has one.
-__device__ __forceinline__ int gv_first(int a, int b) { return a != 0 ? a : b; }
 
 /// Channels per lane: 16 (two 16-byte loads of 16-bit values), so that the per-row work
 /// (selection rounds, group shuffles, qparams, entry writes) is shared by D / 16 lanes.
@@ -144,20 +132,6 @@ __device__ __forceinline__ void gv_pack_store(const uint32_t (&mb)[E], int32_t* 
   }
 }
 
-/// min(max(x, lo), hi) on both 16-bit halves of w (fp16 or bf16 by DType); no NaN operands.
-template <typename DType>
-__device__ __forceinline__ uint32_t gv_clamp2(uint32_t w, uint32_t lo2, uint32_t hi2) {
-  uint32_t r;
-  if constexpr (std::is_same<DType, bf16_t>::value) {
-    asm("max.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(lo2));
-    asm("min.bf16x2 %0, %0, %1;" : "+r"(r) : "r"(hi2));
-  } else {
-    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(lo2));
-    asm("min.f16x2 %0, %0, %1;" : "+r"(r) : "r"(hi2));
-  }
-  return r;
-}
-
 template <typename DType>
 __device__ __forceinline__ float gv_to_float(uint32_t bits16) {
   DType v;
@@ -195,22 +169,12 @@ __device__ __forceinline__ void gv_compress_body(const GearParams& p) {
   constexpr uint32_t LO_OK = (0x7fffu - LIM) << 16;                 // |x| <= kMaxAbs
   // tie bytes b = 0xff - j of the lane's channels j = lr * E + i, four per word
   // (bytes 0xff - j0 - 4q - t, t = 0..3, j0 = lr * E <= 240: no byte borrows, so one
-  // multiply-subtract per word; ptxas keeps or recomputes them cheaply inside the loop)
-  // KMAX = 2 (the instantiation the session-7 changes are limited to: other KMAX keep their
-  // old code, which ptxas fits in 80 registers without spills)
-  constexpr bool K2 = KMAX == 2;
+  // multiply-subtract per word)
   uint32_t tie[E / 4];
-  if constexpr (K2) {
+  {
     const uint32_t tie0 = (0xffu - (uint32_t)(lr * E)) * 0x01010101u - 0x03020100u;
 #pragma unroll
     for (int q = 0; q < E / 4; ++q) tie[q] = tie0 - (uint32_t)q * 0x04040404u;
-  } else {
-#pragma unroll
-    for (int q = 0; q < E / 4; ++q) {
-      tie[q] = 0u;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) tie[q] |= (0xffu - (uint32_t)(lr * E + 4 * q + t)) << (8 * t);
-    }
   }
   const int gidx = small_g ? 0 : (lr * E) / G;          // G >= E: this lane's group
   const bool gwriter = small_g || ((lr * E) & (G - 1)) == 0;  // its first lane
@@ -251,7 +215,7 @@ __device__ __forceinline__ void gv_compress_body(const GearParams& p) {
       tl[d] = 0u;
       bl[d] = FULL;
     }
-    if constexpr (K2 && P == 3 && E == 16) {  // KMAX = 2: selection network (same lists)
+    if constexpr (KMAX == 2 && P == 3 && E == 16) {  // selection network (same lists)
       gv_select3_16(key, tl, bl);
     } else {
 #pragma unroll
@@ -267,8 +231,6 @@ __device__ __forceinline__ void gv_compress_body(const GearParams& p) {
         }
       }
     }
-    // the lane's largest / smallest key (before the rounds pop them): its max / min value
-    const uint32_t lane_kmax = tl[0], lane_kmin = bl[0];
     // any |x| > kMaxAbs, Inf or NaN in this lane (in key order: outside [LO_OK, HI_OK])
     const bool lane_bad = valid && (tl[0] > HI_OK || bl[0] < LO_OK);
     uint32_t tb[KMAX], bb[KMAX];
@@ -318,57 +280,27 @@ __device__ __forceinline__ void gv_compress_body(const GearParams& p) {
         oindices[pos] = (uint8_t)(0xffu - (item & 0xffu));
       }
     }
-    const float hi = gv_to_float<DType>(select::key16_to_bits(hiK >> 16));
-    const float lo = gv_to_float<DType>(select::key16_to_bits(loK >> 16));
-    // fast path (warp-uniform): every value of the warp's rows finite with |x| <= kMaxAbs and
-    // no zero clamp bound (order keys 0x7fff / 0x8000: -0 / +0); then the CPU clamp is
-    // fminf(fmaxf(x, lo), hi) (no NaN, ties only between equal nonzero values) and the codes
-    // need neither clamp nor finite check (group_quant.cuh's fast-path argument)
-    const bool zero_bound = ((hiK >> 16) - 0x7fffu) < 2u || ((loK >> 16) - 0x7fffu) < 2u;
-    const bool fast = !__any_sync(FULL, lane_bad || (valid && zero_bound));
+    // fast path (warp-uniform): every value of the warp's rows finite with |x| <= kMaxAbs;
+    // then key order is value order (-0 < +0: the sign of a zero bound changes no output,
+    // make_qparams normalises it and only outliers are clamped), and the codes need neither
+    // clamp nor finite check (group_quant.cuh's fast-path argument: every xc lies in its
+    // group's [min, max])
+    const bool fast = !__any_sync(FULL, lane_bad);
 
-    // ---- 3. clamp (+ finite check of x)
-    float v[E];
-    if (K2 && fast) {
-      // two values per min / max on the 16-bit words (max.f16x2 / max.bf16x2): the bounds
-      // are values of the dtype, the conversion to float is exact and monotone, and without
-      // NaN or zero bounds fminf(fmaxf(x, lo), hi) has no tie whose pick changes bits
-      const uint32_t lo2 = select::key16_to_bits(loK >> 16) * 0x10001u;
-      const uint32_t hi2 = select::key16_to_bits(hiK >> 16) * 0x10001u;
+    // ---- 3. group bounds: min / max over the non-outlier entries (outliers: key > hiK or
+    // key < loK), per 8-channel chunk, then (G >= E) over the chunks of the lane and the
+    // G / E lanes of the group; an empty group (k > 0): 0, 0
+    float xv[E];
 #pragma unroll
-      for (int q = 0; q < NW; ++q) {
-        const uint32_t c2 = gv_clamp2<DType>(w[q], lo2, hi2);
-        v[2 * q] = gv_to_float<DType>(c2 & 0xffffu);
-        v[2 * q + 1] = gv_to_float<DType>(c2 >> 16);
-      }
-    } else if (fast) {
-#pragma unroll
-      for (int i = 0; i < E; ++i)
-        v[i] = fminf(fmaxf(gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu), lo), hi);
-    } else {
-      const bool hi_nan = hi != hi, lo_nan = lo != lo;
-#pragma unroll
-      for (int i = 0; i < E; ++i) {
-        const float xv = gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu);
-        // k = 0 (GEAR-L): no outliers, no clamp (the CPU op leaves x alone, NaN included)
-        v[i] = k == 0 ? xv : gv_cpu_fmin(gv_cpu_fmax(xv, lo, lo_nan), hi, hi_nan);
-      }
-      if (check && lane_bad) {  // the exact flags
-#pragma unroll
-        for (int i = 0; i < E; ++i)
-          status |= quant::value_status(gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu));
-      }
-    }
-
-    // ---- 4. group min / max: per 8-channel chunk, then (G >= E) over the chunks of the lane
-    // and the G / E lanes of the group; qparams, codes
+    for (int i = 0; i < E; ++i) xv[i] = gv_to_float<DType>((w[i / 2] >> (16 * (i & 1))) & 0xffffu);
     float mn[NC], mx[NC];
-    if (K2 && fast && !small_g) {  // warp-uniform
-      // the lane's min / max of xc = clamp of the lane's min / max of x (the clamp is
-      // monotone; no NaN here), read off its extreme keys instead of 2 x 16 fminf / fmaxf.
-      // Equal values; the sign of a zero extremum is set below from v (zext), as before.
-      mn[0] = fminf(fmaxf(gv_to_float<DType>(select::key16_to_bits(lane_kmin >> 16)), lo), hi);
-      mx[0] = fminf(fmaxf(gv_to_float<DType>(select::key16_to_bits(lane_kmax >> 16)), lo), hi);
+    if (fast && !small_g) {  // warp-uniform
+      // after the k rounds bl[0] / tl[0] are the lane's smallest / largest key that is not a
+      // bottom / top outlier (the rounds popped exactly those): its inlier min / max, unless
+      // the lane holds outliers only (bl[0] > hiK)
+      const bool has = bl[0] <= hiK;
+      mn[0] = has ? gv_to_float<DType>(select::key16_to_bits(bl[0] >> 16)) : INFINITY;
+      mx[0] = has ? gv_to_float<DType>(select::key16_to_bits(tl[0] >> 16)) : -INFINITY;
     } else {
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
@@ -376,8 +308,9 @@ __device__ __forceinline__ void gv_compress_body(const GearParams& p) {
         mx[c] = -INFINITY;
 #pragma unroll
         for (int i = 8 * c; i < 8 * c + 8; ++i) {
-          mn[c] = fminf(mn[c], v[i]);
-          mx[c] = fmaxf(mx[c], v[i]);
+          const float f = (key[i] > hiK || key[i] < loK) ? NAN : xv[i];  // NaN: ignored
+          mn[c] = fminf(mn[c], f);
+          mx[c] = fmaxf(mx[c], f);
         }
       }
       if (!small_g) {
@@ -402,37 +335,23 @@ __device__ __forceinline__ void gv_compress_body(const GearParams& p) {
         mx[c] = mx[0];
       }
     }
-    bool zext = false;
+    if (k > 0) {
 #pragma unroll
-    for (int c = 0; c < NC; ++c) zext |= mn[c] == 0.f || mx[c] == 0.f;
-    if (__any_sync(FULL, valid && zext)) {  // rare: a zero extremum takes the sign of the
-      int fz[NC];                            // group's first zero
+      for (int c = 0; c < NC; ++c)
+        if (group_empty(mn[c], mx[c])) mn[c] = mx[c] = 0.f;
+    }
+
+    // ---- 4. xc: x at inliers, outliers clamped into their group's bounds (only their value
+    // matters: it decides the code, the residual is zeroed); + finite check of x
+    float v[E];
 #pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        fz[c] = 0;
+    for (int i = 0; i < E; ++i) {
+      const int c = i / 8;
+      v[i] = (key[i] > hiK || key[i] < loK) ? fminf(fmaxf(xv[i], mn[c]), mx[c]) : xv[i];
+    }
+    if (check && lane_bad) {  // the exact flags
 #pragma unroll
-        for (int i = 8 * c + 7; i >= 8 * c; --i)
-          if (v[i] == 0.f) fz[c] = signbit(v[i]) ? 2 : 1;
-      }
-      if (!small_g) {
-#pragma unroll
-        for (int c = 1; c < NC; ++c) fz[0] = gv_first(fz[0], fz[c]);
-#pragma unroll
-        for (int o = 1; o < LPR; o <<= 1) {  // ordered combine: the lower lanes come first
-          if (o < lpg) {
-            const int other = __shfl_xor_sync(FULL, fz[0], o);
-            fz[0] = (lane & o) ? gv_first(other, fz[0]) : gv_first(fz[0], other);
-          }
-        }
-#pragma unroll
-        for (int c = 1; c < NC; ++c) fz[c] = fz[0];
-      }
-#pragma unroll
-      for (int c = 0; c < NC; ++c) {
-        const float z = fz[c] == 2 ? -0.f : 0.f;
-        if (mn[c] == 0.f) mn[c] = z;
-        if (mx[c] == 0.f) mx[c] = z;
-      }
+      for (int i = 0; i < E; ++i) status |= quant::value_status(xv[i]);
     }
     float qzero[NC], qinv[NC], qscale[NC];
     if (small_g) {  // warp-uniform; G == 8: NC groups per lane
@@ -516,9 +435,8 @@ __global__ void __launch_bounds__(256) GearValuesCompressKernel(GearParams p) {
   gv_compress_body<DType, D, BITS, KMAX>(p);
 }
 
-/// \brief KMAX = 2 (s = 2 % at D = 128): 3 CTAs of 256 per SM requested, so that ptxas keeps
-/// the 80 registers of the old code (without it the 4-bit instantiations took 95-96, i.e. 2
-/// CTAs per SM).
+/// \brief KMAX = 2 (k <= 2: s = 2 % at D = 128, GEAR-L): 3 CTAs of 256 per SM requested, so
+/// that ptxas stays within 80 registers (2 CTAs per SM otherwise).
 template <typename DType, int D, int BITS>
 __global__ void __launch_bounds__(256, 3) GearValuesCompressK2Kernel(GearParams p) {
   gv_compress_body<DType, D, BITS, 2>(p);

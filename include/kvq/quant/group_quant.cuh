@@ -606,9 +606,10 @@ __device__ __forceinline__ void load_qp(const float* s_zero, const float* s_inv,
 /// token slices x D channels): every thread publishes its raw min / max mm (channels k * VE..),
 /// thread c < D reduces channel c over the slices, stores scale[c] / zero[c] (this group's
 /// row) and, in shared memory after the 2 * blockDim.x uint4 of the exchange, qp[c] = zero,
-/// qp[D + c] = inv and with SCALE qp[2 D + c] = scale (floats).  Ends with a barrier;
-/// returns qp.
-template <typename DType, int D, int BITS, bool SCALE = false>
+/// qp[D + c] = inv and with SCALE qp[2 D + c] = scale (floats).  BOUNDS (GEAR's masked
+/// min / max, gear.h): a channel whose min > max (every entry masked) takes min = max = 0,
+/// and qp[3 D + c] = min, qp[4 D + c] = max.  Ends with a barrier; returns qp.
+template <typename DType, int D, int BITS, bool SCALE = false, bool BOUNDS = false>
 __device__ __forceinline__ float* tile_group_qparams(const RawMinMax<DType>& mm, int S, unsigned char* smem,
                                                      uint16_t* scale, uint16_t* zero) {
   uint4* s_mn = reinterpret_cast<uint4*>(smem);  // [S][D] DType
@@ -624,6 +625,11 @@ __device__ __forceinline__ float* tile_group_qparams(const RawMinMax<DType>& mm,
     for (int j = 0; j < S; ++j) {
       a = fminf(a, to_float(emn[j * D + c]));
       b = fmaxf(b, to_float(emx[j * D + c]));
+    }
+    if constexpr (BOUNDS) {
+      if (!(a <= b)) a = b = 0.f;
+      qp[3 * D + c] = a;
+      qp[4 * D + c] = b;
     }
     const QParams q = make_qparams(a, b, BITS);
     scale[c] = q.s16;
