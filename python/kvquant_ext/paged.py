@@ -62,6 +62,11 @@ class _Layer:
                                    torch.zeros(sshape, dtype=torch.float16, device=device))
             self.free_comp = list(range(n_comp - 1, 0, -1))
         self.seqs: Dict[int, _Seq] = {}
+        # device tables of recent batches: key tuple(seq_ids) -> (version, page_version, tensors);
+        # `version` changes with every append / free, `page_version` when page lists change
+        self.version = 0
+        self.page_version = 0
+        self.tables: Dict[tuple, tuple] = {}
 
     def comp_tensors(self):
         if self.comp is None:
@@ -126,6 +131,7 @@ class PagedKVCache:
             n_fp = 1 + -(-max_tokens // P) + max_seqs
         self.layers = [_Layer(num_kv_heads, P, head_dim, dtype, self.device, n_fp, n_comp, self.kspec, self.vspec)
                        for _ in range(num_layers)]
+        self._slots = None
         self._next_id = 0
         self._live: Dict[int, None] = {}
 
@@ -145,6 +151,9 @@ class PagedKVCache:
         """Return the sequence's pages to the pools (they are reused by later sequences)."""
         self._check_ids([seq_id])
         for layer in self.layers:
+            layer.version += 1
+            layer.page_version += 1
+            layer.tables.clear()
             s = layer.seqs.pop(seq_id)
             layer.free_comp.extend(reversed(s.comp_pages))
             layer.free_fp.extend(reversed(s.fp_pages))
@@ -212,6 +221,7 @@ class PagedKVCache:
     def _append_round(self, layer: _Layer, seq_ids, k, v) -> None:
         P, n, T = self.page_size, len(seq_ids), k.shape[2]
         slots, src, dst = [], [], []
+        fp0 = [len(layer.seqs[s].fp_pages) for s in seq_ids]
         for s in seq_ids:
             st = layer.seqs[s]
             end = st.length + T
@@ -242,6 +252,8 @@ class PagedKVCache:
         _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t, *comp, **kw, bits=bits,
                           k_per_channel=self.kspec.per_channel if self.kspec else True,
                           v_per_channel=self.vspec.per_channel if self.vspec else False)
+        layer.version += 1
+        layer.page_version += 1 if (src or any(len(layer.seqs[s].fp_pages) != n0 for s, n0 in zip(seq_ids, fp0))) else 0
         i = 0
         for s in seq_ids:
             st = layer.seqs[s]
@@ -257,25 +269,44 @@ class PagedKVCache:
     def batch_tables(self, layer_idx: int, seq_ids: Sequence[int]):
         """Device tensors of the listed sequences: ``(block_table [n, max_pages], seq_lens [n],
         comp_lens [n])``, int32 (the engine-facing ops' inputs)."""
-        layer = self._layer(layer_idx)
-        seq_ids = list(seq_ids)
+        return self._tables(self._layer(layer_idx), list(seq_ids))[:3]
+
+    def _tables(self, layer: _Layer, seq_ids: List[int]):
+        """(block_table, seq_lens, comp_lens, work) of a batch, rebuilt only as far as the layer
+        changed since the last call with the same sequences (lengths every step, the block
+        table when pages came or went)."""
+        key = tuple(seq_ids)
+        ent = layer.tables.get(key)
+        if ent is not None and ent[0] == layer.version:
+            return ent[2]
         self._check_ids(seq_ids)
-        rows = [layer.seqs[s].comp_pages + layer.seqs[s].fp_pages for s in seq_ids]
-        width = max(1, max((len(r) for r in rows), default=1))
-        bt = torch.zeros((len(seq_ids), width), dtype=torch.int32)
-        for i, r in enumerate(rows):
-            if r:
-                bt[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-        lens = torch.tensor([layer.seqs[s].length for s in seq_ids], dtype=torch.int32)
-        comp = torch.tensor([len(layer.seqs[s].comp_pages) * self.page_size for s in seq_ids], dtype=torch.int32)
-        return bt.to(self.device), lens.to(self.device), comp.to(self.device)
+        seqs = [layer.seqs[s] for s in seq_ids]
+        n, P = len(seqs), self.page_size
+        if ent is not None and ent[1] == layer.page_version:
+            bt = ent[2][0]
+        else:
+            rows = [st.comp_pages + st.fp_pages for st in seqs]
+            width = max(1, max(len(r) for r in rows))
+            flat = [0] * (n * width)
+            for i, r in enumerate(rows):
+                flat[i * width:i * width + len(r)] = r
+            bt = torch.tensor(flat, dtype=torch.int32).view(n, width).to(self.device)
+        lc = torch.tensor([st.length for st in seqs] + [len(st.comp_pages) * P for st in seqs],
+                          dtype=torch.int32).to(self.device)
+        lens, comp = lc[:n], lc[n:]
+        work = _ops.paged_decode_plan(lens, comp, self.default_max_items(n))
+        if len(layer.tables) >= 8:
+            layer.tables.clear()
+        layer.tables[key] = (layer.version, layer.page_version, (bt, lens, comp, work))
+        return bt, lens, comp, work
 
     def default_max_items(self, num_seqs: int) -> int:
         """A work-list capacity that fills the device in one wave of split CTAs."""
-        slots = 264
-        if self.device.type == "cuda":
-            slots = 3 * torch.cuda.get_device_properties(self.device).multi_processor_count
-        return min(65535, 2 * num_seqs + 2 + 2 * -(-slots // self.num_kv_heads))
+        if self._slots is None:
+            self._slots = 264
+            if self.device.type == "cuda":
+                self._slots = 3 * torch.cuda.get_device_properties(self.device).multi_processor_count
+        return min(65535, 2 * num_seqs + 2 + 2 * -(-self._slots // self.num_kv_heads))
 
     def decode_attention(self, q: torch.Tensor, layer_idx: int, seq_ids: Sequence[int],
                          scale: Optional[float] = None, *, return_lse: bool = False):
@@ -292,8 +323,7 @@ class PagedKVCache:
             raise ValueError(f"argument 'q' is on {q.device}, but this cache is on {self.device}")
         if q.shape[1] % self.num_kv_heads:
             raise ValueError(f"argument 'q' has {q.shape[1]} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
-        bt, lens, comp = self.batch_tables(layer_idx, seq_ids)
-        work = _ops.paged_decode_plan(lens, comp, self.default_max_items(len(seq_ids)))
+        bt, lens, comp, work = self._tables(layer, seq_ids)
         if scale is None:
             scale = self.head_dim ** -0.5
         bits = self.kspec.bits if self.kspec is not None else 2
