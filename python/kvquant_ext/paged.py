@@ -175,6 +175,12 @@ class PagedKVCache:
             raise IndexError(f"argument 'layer_idx' must be in [0, {self.num_layers}), got {layer_idx!r}")
         return self.layers[layer_idx]
 
+    def _check_dtype_device(self, name: str, x: torch.Tensor) -> None:
+        if x.dtype != self.dtype:
+            raise TypeError(f"argument '{name}' must have the cache dtype {self.dtype}, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"argument '{name}' is on {x.device}, but this cache is on {self.device}")
+
     # ------------------------------------------------------------------ append
     def append(self, layer_idx: int, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v [n, H, T, D]``: T new tokens to each of the n listed sequences."""
@@ -187,10 +193,7 @@ class PagedKVCache:
                 raise TypeError(f"argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
             if x.dim() != 4 or x.shape[0] != len(seq_ids) or x.shape[1] != H or x.shape[3] != D:
                 raise ValueError(f"argument '{name}' must be [n={len(seq_ids)}, H={H}, T, D={D}], got {tuple(x.shape)}")
-            if x.dtype != self.dtype:
-                raise TypeError(f"argument '{name}' must have the cache dtype {self.dtype}, got {x.dtype}")
-            if x.device != self.device:
-                raise ValueError(f"argument '{name}' is on {x.device}, but this cache is on {self.device}")
+            self._check_dtype_device(name, x)
         if v.shape != k.shape:
             raise ValueError(f"arguments 'k' {tuple(k.shape)} and 'v' {tuple(v.shape)} must have the same shape")
         T = k.shape[2]
@@ -317,10 +320,7 @@ class PagedKVCache:
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != len(seq_ids) or q.shape[2] != self.head_dim:
             raise ValueError(f"argument 'q' must be [n={len(seq_ids)}, Hq, D={self.head_dim}], got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-        if q.dtype != self.dtype:
-            raise TypeError(f"argument 'q' must have the cache dtype {self.dtype}, got {q.dtype}")
-        if q.device != self.device:
-            raise ValueError(f"argument 'q' is on {q.device}, but this cache is on {self.device}")
+        self._check_dtype_device("q", q)
         if q.shape[1] % self.num_kv_heads:
             raise ValueError(f"argument 'q' has {q.shape[1]} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
         bt, lens, comp, work = self._tables(layer, seq_ids)
