@@ -41,6 +41,7 @@ class _Seq:
     length: int = 0
     comp_pages: List[int] = field(default_factory=list)
     fp_pages: List[int] = field(default_factory=list)
+    row: Optional[torch.Tensor] = None  # int32 block-table row (host), None when the pages changed
 
 
 class _Layer:
@@ -62,11 +63,10 @@ class _Layer:
                                    torch.zeros(sshape, dtype=torch.float16, device=device))
             self.free_comp = list(range(n_comp - 1, 0, -1))
         self.seqs: Dict[int, _Seq] = {}
-        # device tables of recent batches: key tuple(seq_ids) -> (version, page_version, tensors);
-        # `version` changes with every append / free, `page_version` when page lists change
-        self.version = 0
-        self.page_version = 0
-        self.tables: Dict[tuple, tuple] = {}
+        # a digest of every append and free this layer has seen: layers with equal histories
+        # hold identical page lists (their pools and free lists evolve identically), so they
+        # share one set of device tables and one plan per step
+        self.history = 0
 
     def comp_tensors(self):
         if self.comp is None:
@@ -132,6 +132,7 @@ class PagedKVCache:
         self.layers = [_Layer(num_kv_heads, P, head_dim, dtype, self.device, n_fp, n_comp, self.kspec, self.vspec)
                        for _ in range(num_layers)]
         self._slots = None
+        self._table_cache: Dict[tuple, tuple] = {}
         self._next_id = 0
         self._live: Dict[int, None] = {}
 
@@ -151,9 +152,7 @@ class PagedKVCache:
         """Return the sequence's pages to the pools (they are reused by later sequences)."""
         self._check_ids([seq_id])
         for layer in self.layers:
-            layer.version += 1
-            layer.page_version += 1
-            layer.tables.clear()
+            layer.history = hash((layer.history, "free", seq_id))
             s = layer.seqs.pop(seq_id)
             layer.free_comp.extend(reversed(s.comp_pages))
             layer.free_fp.extend(reversed(s.fp_pages))
@@ -207,6 +206,7 @@ class PagedKVCache:
         step = T if self.kspec is None else max(P, P * (self.staging_pages // len(seq_ids)))
         for a in range(0, T, step):
             self._append_round(layer, seq_ids, k[:, :, a:a + step], v[:, :, a:a + step])
+        layer.history = hash((layer.history, tuple(seq_ids), T))
 
     def _reserve(self, layer: _Layer, seq_ids, T: int) -> None:
         """Raise (changing nothing) if the pools cannot take T more tokens of each sequence."""
@@ -224,12 +224,12 @@ class PagedKVCache:
     def _append_round(self, layer: _Layer, seq_ids, k, v) -> None:
         P, n, T = self.page_size, len(seq_ids), k.shape[2]
         slots, src, dst = [], [], []
-        fp0 = [len(layer.seqs[s].fp_pages) for s in seq_ids]
         for s in seq_ids:
             st = layer.seqs[s]
             end = st.length + T
             while len(st.comp_pages) * P + len(st.fp_pages) * P < end:  # full-precision pages for the new tokens
                 st.fp_pages.append(layer.free_fp.pop())
+                st.row = None
             base = len(st.comp_pages) * P
             for t in range(st.length, end):
                 slots.append(st.fp_pages[(t - base) // P] * P + (t - base) % P)
@@ -255,8 +255,6 @@ class PagedKVCache:
         _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t, *comp, **kw, bits=bits,
                           k_per_channel=self.kspec.per_channel if self.kspec else True,
                           v_per_channel=self.vspec.per_channel if self.vspec else False)
-        layer.version += 1
-        layer.page_version += 1 if (src or any(len(layer.seqs[s].fp_pages) != n0 for s, n0 in zip(seq_ids, fp0))) else 0
         i = 0
         for s in seq_ids:
             st = layer.seqs[s]
@@ -266,6 +264,7 @@ class PagedKVCache:
                 layer.free_fp.extend(reversed(st.fp_pages[:nfull]))
                 st.fp_pages = st.fp_pages[nfull:]
                 st.comp_pages.extend(dst[i:i + nfull])
+                st.row = None
                 i += nfull
 
     # ------------------------------------------------------------------ attention
@@ -275,32 +274,27 @@ class PagedKVCache:
         return self._tables(self._layer(layer_idx), list(seq_ids))[:3]
 
     def _tables(self, layer: _Layer, seq_ids: List[int]):
-        """(block_table, seq_lens, comp_lens, work) of a batch, rebuilt only as far as the layer
-        changed since the last call with the same sequences (lengths every step, the block
-        table when pages came or went)."""
-        key = tuple(seq_ids)
-        ent = layer.tables.get(key)
-        if ent is not None and ent[0] == layer.version:
-            return ent[2]
+        """(block_table, seq_lens, comp_lens, work) of a batch.  Built once per layer history and
+        batch: in a decode step every layer, once appended, has the history of the first one, so
+        the tables and the plan are built once per step and shared by all layers."""
+        key = (layer.history, tuple(seq_ids))
+        hit = self._table_cache.get(key)
+        if hit is not None:
+            return hit
         self._check_ids(seq_ids)
         seqs = [layer.seqs[s] for s in seq_ids]
         n, P = len(seqs), self.page_size
-        if ent is not None and ent[1] == layer.page_version:
-            bt = ent[2][0]
-        else:
-            rows = [st.comp_pages + st.fp_pages for st in seqs]
-            width = max(1, max(len(r) for r in rows))
-            flat = [0] * (n * width)
-            for i, r in enumerate(rows):
-                flat[i * width:i * width + len(r)] = r
-            bt = torch.tensor(flat, dtype=torch.int32).view(n, width).to(self.device)
+        for st in seqs:
+            if st.row is None:
+                st.row = torch.tensor(st.comp_pages + st.fp_pages or [0], dtype=torch.int32)
+        bt = torch.nn.utils.rnn.pad_sequence([st.row for st in seqs], batch_first=True).to(self.device)
         lc = torch.tensor([st.length for st in seqs] + [len(st.comp_pages) * P for st in seqs],
                           dtype=torch.int32).to(self.device)
         lens, comp = lc[:n], lc[n:]
         work = _ops.paged_decode_plan(lens, comp, self.default_max_items(n))
-        if len(layer.tables) >= 8:
-            layer.tables.clear()
-        layer.tables[key] = (layer.version, layer.page_version, (bt, lens, comp, work))
+        if len(self._table_cache) >= 16:
+            self._table_cache.clear()
+        self._table_cache[key] = (bt, lens, comp, work)
         return bt, lens, comp, work
 
     def default_max_items(self, num_seqs: int) -> int:
