@@ -42,6 +42,7 @@ def no_model_loading(monkeypatch):
     (["eval", "--text", "/no/such/text.txt"], ["--text", "/no/such/text.txt"]),
     (["eval", "--dtype", "float8"], ["--dtype", "float8"]),
     (["eval", "--prefill", "1"], ["--prefill"]),
+    (["eval", "--threads", "-1"], ["--threads"]),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, names, no_model_loading, capsys):
     assert cli.main(argv) == 2

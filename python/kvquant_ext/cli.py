@@ -505,9 +505,9 @@ def cmd_eval(args) -> int:
     # every argument is checked before anything is loaded
     presets = select_presets(args.presets)
     P, C, N = args.prefill, args.continuation, args.generate
-    if P < 2 or C < 1 or N < 0 or args.chunk < 1:
-        raise UsageError("--prefill must be >= 2, --continuation >= 1, --generate >= 0 and "
-                         "--chunk >= 1")
+    if P < 2 or C < 1 or N < 0 or args.chunk < 1 or args.threads < 0:
+        raise UsageError("--prefill must be >= 2, --continuation >= 1, --generate >= 0, "
+                         "--chunk >= 1 and --threads >= 0")
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
     resolve_model(args.model)
@@ -672,7 +672,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     e.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on "
                    "CUDA), float16, bfloat16, float32")
-    e.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    e.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the "
+                   "default model's per-op work is too small to split, and idle threads spinning "
+                   "on a busy machine slow it down several times; 0 = torch's default, one per "
+                   "core, worth it for larger models on idle cores)")
     e.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (schema in docs/eval.md)")
     e.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: ppl and error vs bits/element")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
