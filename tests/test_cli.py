@@ -199,12 +199,22 @@ def progress_bars_on():
     tlog.set_verbosity(level)
 
 
-def test_quiet_silences_progress_bars(tiny_model_dir, progress_bars_on, capfd):
+def test_quiet_silences_progress_bars(tiny_model_dir, progress_bars_on, capfd, monkeypatch):
+    import transformers
+    from tqdm import tqdm
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def load_with_own_bar(*a, **k):  # a loader drawing a bar that ignores transformers' switch
+        for _ in tqdm(range(3), desc="converting tensors"):
+            pass
+        return load(*a, **k)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_with_own_bar)
     argv = ["eval", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt"),
             "--prefill", "40", "--continuation", "4", "--generate", "2", "--presets", "kivi-2"]
     assert cli.main(argv) == 0
     loud = capfd.readouterr().err
-    assert "presets" in loud and "it/s]" in loud  # the control: bars appear without --quiet
+    # the control: bars appear without --quiet
+    assert "presets" in loud and "converting tensors" in loud and "it/s]" in loud
     assert cli.main(argv + ["--quiet"]) == 0
     quiet = capfd.readouterr()
     assert "| kivi-2 |" in quiet.out

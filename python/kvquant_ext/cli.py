@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import bz2
+import contextlib
 import copy
 import glob
 import html
 import importlib.util
+import io
 import json
 import math
 import os
@@ -266,10 +268,13 @@ def load_model(spec: Optional[str], device: str, dtype: torch.dtype, *, quiet: b
 
     if quiet:
         _silence_progress()
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=hf.ATTN_NAME,
-                                                 local_files_only=True, **kw)
+    # some loaders draw bars of their own (transformers' GGUF conversion): with --quiet,
+    # whatever loading writes to stderr is dropped (errors still raise)
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        kw = {"gguf_file": gguf_file} if gguf_file else {}
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=hf.ATTN_NAME,
+                                                     local_files_only=True, **kw)
     model.to(device).eval()
     return name, model, tok
 
