@@ -269,8 +269,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARG
   const auto dt = c.q.scalar_type();
   // per (sequence, KV head), on average: Hq/H queries x its tokens x D, a key and a value
   // multiply-add each
-  const int64_t work = 4 * (p.Hq / std::max<int64_t>(H, 1)) * (total_len / std::max<int64_t>(p.B, 1)) * p.D;
-  at::parallel_for(0, p.B * H, parallel_grain(work), [&](int64_t lo, int64_t hi) {
+  const int64_t per_row = 4 * (p.Hq / std::max<int64_t>(H, 1)) * (total_len / std::max<int64_t>(p.B, 1)) * p.D;
+  at::parallel_for(0, p.B * H, parallel_grain(per_row), [&](int64_t lo, int64_t hi) {
     std::vector<float> row, kbuf;
     for (int64_t bh = lo; bh < hi; ++bh) {
       KVQ_DISPATCH_DTYPE(dtype_id(dt), DType, [&] {

@@ -37,9 +37,11 @@ SCRIPT = textwrap.dedent(r"""
     torch.ones(1 << 22).mul_(2)  # starts the pool's workers
     g = torch.Generator().manual_seed(0)
     x = lambda T: torch.randn(1, 2, T, 64, generator=g).half()
-    # HQMQ is left out: encoding one token row is a codebook search of tens of microseconds,
-    # enough to split two rows over threads.
-    small = {name: cfg for name, cfg in kvq.PRESETS.items() if not name.startswith("hqmq")}
+    # Left out, because their work is enough to split over threads: HQMQ (encoding one token
+    # row is a codebook search of tens of microseconds) and the KCVT-backbone GEAR presets
+    # (every 20 steps a block's power iteration, ~80K multiply-adds per matrix).
+    small = {name: cfg for name, cfg in kvq.PRESETS.items()
+             if not name.startswith("hqmq") and name not in ("gear-4", "gearl-4")}
     small["kivi-2-r32"] = kvq.KIVIConfig(bits=2, group_size=32, residual_length=32)
     # layers that kvq.decode_attention serves with torch ops instead of a kvq kernel
     unfused = {"fp16", "gear-4", "gearl-4"}

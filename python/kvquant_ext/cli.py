@@ -245,15 +245,10 @@ def resolve_model(spec: Optional[str]) -> Tuple[str, Optional[str], str]:
 
 
 def _silence_progress() -> None:
-    """Turn off the progress bars and info logs of transformers and huggingface_hub."""
+    """Turn off transformers' progress bars and info logs."""
     import transformers
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    try:
-        import huggingface_hub.utils
-        huggingface_hub.utils.disable_progress_bars()
-    except ImportError:  # pragma: no cover (a dependency of transformers)
-        pass
 
 
 def load_model(spec: Optional[str], device: str, dtype: torch.dtype, *, quiet: bool = False):
