@@ -58,15 +58,17 @@ KVQ_HOST_DEVICE int64_t paged_comp_len(int64_t len, int64_t comp) {
   return comp < 0 ? 0 : (comp > len ? len : comp);
 }
 
-/// \brief Chunk sizes for a batch: half of the item budget (max_items - 2 num_seqs) for the
-/// compressed tokens, half for the full-precision ones.  Then every sequence takes at most
-/// ceil(c / cc) + ceil(f / cf) items and all of them fit: sum ceil(c_s / cc) <= total_c / cc +
-/// num_seqs <= budget / 2 + num_seqs, likewise for f.
+/// \brief Chunk sizes for a batch: the item budget (max_items - 2 num_seqs) split between the
+/// compressed tokens (bc items) and the full-precision ones (bf), evenly when the batch has
+/// both.  Then every sequence takes at most ceil(c / cc) + ceil(f / cf) items and all of them
+/// fit: sum ceil(c_s / cc) <= total_c / cc + num_seqs <= bc + num_seqs, likewise for f, and
+/// bc + bf = budget whenever both kinds occur.
 KVQ_HOST_DEVICE void paged_chunks(int64_t total_comp, int64_t total_fp, int64_t num_seqs, int64_t max_items,
                                          int64_t& cc, int64_t& cf) {
   int64_t budget = max_items - 2 * num_seqs;
   if (budget < 2) budget = 2;
-  const int64_t bc = budget / 2, bf = budget - bc;
+  // a batch with one kind of token only gives it the whole budget
+  const int64_t bc = total_fp == 0 ? budget : (total_comp == 0 ? 1 : budget / 2), bf = budget - bc > 0 ? budget - bc : 1;
   cc = (total_comp + bc - 1) / bc;
   if (cc < kPagedMinChunk) cc = kPagedMinChunk;
   cc = (cc + kPagedChunkStep - 1) / kPagedChunkStep * kPagedChunkStep;
