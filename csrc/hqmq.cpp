@@ -12,8 +12,7 @@ namespace kvq {
 static void check_hqmq_head_dim(const char* op, const char* arg, int64_t D) {
   KVQ_CHECK_ARG(D % 4 == 0, op, arg,
                 "must have a head dim (last dimension) divisible by 4 (quaternion chunks), got ", D);
-  KVQ_CHECK_ARG(D == 32 || D == 64 || D == 128 || D == 256, op, arg,
-                "must have a head dim of 32, 64, 128 or 256, got ", D);
+  KVQ_CHECK_ARG(supported_head_dim(D), op, arg, "must have a head dim of ", kHeadDimsText, ", got ", D);
 }
 
 static void check_radius_bits(const char* op, int64_t radius_bits) {
