@@ -257,7 +257,8 @@ static void run_cpu(DecodeAttentionCall& c) {
   const auto& p = c.params;
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(c.q.scalar_type()), DType, [&] {
-      at::parallel_for(0, p.B * p.H, 1, [&](int64_t b0, int64_t e0) {
+      // per (batch, KV head): Hq/H queries x T tokens x D, one key and one value multiply-add each
+      at::parallel_for(0, p.B * p.H, parallel_grain(4 * (p.Hq / std::max<int64_t>(p.H, 1)) * p.T * p.D), [&](int64_t b0, int64_t e0) {
         std::vector<float> row, kbuf;
         for (int64_t bh = b0; bh < e0; ++bh)
           attention::decode_attention_cpu<DType>(p, bh / p.H, bh % p.H, row, kbuf);

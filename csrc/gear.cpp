@@ -71,7 +71,9 @@ static void run_outlier_select_cpu(const OutlierSelectCall& c) {
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(c.x.scalar_type()), DType, [&] {
       KVQ_DISPATCH_INDEX_BYTES(c.index_bytes, IdType, [&] {
-        at::parallel_for(0, nvec, 1, [&](int64_t b, int64_t e) {
+        // per vector: passes over its L entries, a few per kept entry
+        const int64_t work = 8 * select::vector_length(p) * (int64_t)sizeof(DType);
+        at::parallel_for(0, nvec, parallel_grain(work), [&](int64_t b, int64_t e) {
           select::outlier_select_cpu<DType, IdType>(p, b, e);
         });
       });
@@ -127,7 +129,8 @@ static void run_power_iter_cpu(const PowerIterCall& c) {
   if (p.N == 0) return;
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(c.x.scalar_type()), DType, [&] {
-      at::parallel_for(0, p.N, 1, [&](int64_t b, int64_t e) {
+      // per matrix: iters x (A = X B, B = X^T A), 2 T d r multiply-adds each
+      at::parallel_for(0, p.N, parallel_grain(4 * (int64_t)p.iters * p.T * p.d * p.rank), [&](int64_t b, int64_t e) {
         linalg::power_iter_cpu<DType>(p, b, e);
       });
     });
@@ -288,34 +291,39 @@ GearTuple gear_compress_cpu(const at::Tensor& x, int64_t bits, int64_t group_siz
       run_outlier_select_cpu(c.sel);
       alloc_gear_fill(c);
       KVQ_DISPATCH_INDEX_BYTES(c.sel.index_bytes, IdType, [&] {
-        at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) {
+        at::parallel_for(0, nvec, parallel_grain(2 * g.k * 8), [&](int64_t b, int64_t e) {
           gear::gear_set_outliers_cpu<IdType, uint8_t>(g, g.omask, 1, b, e);
         });
       });
       KVQ_DISPATCH_DTYPE(dt, DType, [&] {
-        at::parallel_for(0, gear::num_groups(g), 16, [&](int64_t b, int64_t e) {
-          for (int64_t u = b; u < e; ++u) gear::gear_group_bounds<DType>(g, u);
-        });
-        at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) { gear::gear_clamp_cpu<DType>(g, b, e); });
+        const int64_t ngroups = gear::num_groups(g);
+        at::parallel_for(0, ngroups, parallel_grain(rows * g.D / std::max<int64_t>(ngroups, 1) * (int64_t)sizeof(DType)),
+                         [&](int64_t b, int64_t e) {
+                           for (int64_t u = b; u < e; ++u) gear::gear_group_bounds<DType>(g, u);
+                         });
+        at::parallel_for(0, rows, parallel_grain(g.D * (int64_t)sizeof(DType)),
+                         [&](int64_t b, int64_t e) { gear::gear_clamp_cpu<DType>(g, b, e); });
       });
     }
     const auto& qp = c.quant.params;
     const int64_t units = quant::group_quant_cpu_units(qp);
     KVQ_DISPATCH_DTYPE(dt, DType, [&] {
-      at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) { quant::group_quantize_cpu<DType>(qp, b, e); });
+      at::parallel_for(0, units, parallel_grain(quant::group_quant_cpu_unit_bytes(qp, sizeof(DType))),
+                       [&](int64_t b, int64_t e) { quant::group_quantize_cpu<DType>(qp, b, e); });
     });
     at::Tensor deq = at::empty({g.N, g.T, g.D}, c.x.options().dtype(at::kFloat));
     quant::GroupQuantParams dp = qp;
     dp.out = deq.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) { quant::group_dequantize_cpu<float>(dp, b, e); });
+    at::parallel_for(0, rows, parallel_grain(g.D * (int64_t)sizeof(float)),
+                     [&](int64_t b, int64_t e) { quant::group_dequantize_cpu<float>(dp, b, e); });
     KVQ_DISPATCH_DTYPE(dt, DType, [&] {
-      at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      at::parallel_for(0, rows, parallel_grain(g.D * (int64_t)(sizeof(DType) + sizeof(float))), [&](int64_t b, int64_t e) {
         gear::gear_residual_cpu<DType>(g, deq.data_ptr<float>(), b, e);
       });
     });
     if (c.k > 0) {
       KVQ_DISPATCH_INDEX_BYTES(c.sel.index_bytes, IdType, [&] {
-        at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) {
+        at::parallel_for(0, nvec, parallel_grain(2 * g.k * 8), [&](int64_t b, int64_t e) {
           gear::gear_set_outliers_cpu<IdType, uint16_t>(g, g.resid, 0, b, e);
         });
       });
@@ -404,15 +412,17 @@ at::Tensor gear_decompress_cpu(const at::Tensor& codes, const at::Tensor& scale,
     at::Tensor deq = at::empty({g.N, g.T, g.D}, c.A.options().dtype(at::kFloat));
     quant::GroupQuantParams dp = g.q;
     dp.out = deq.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) { quant::group_dequantize_cpu<float>(dp, b, e); });
+    at::parallel_for(0, rows, parallel_grain(g.D * (int64_t)sizeof(float)),
+                     [&](int64_t b, int64_t e) { quant::group_dequantize_cpu<float>(dp, b, e); });
     KVQ_DISPATCH_DTYPE(dtype_id(dtype), DType, [&] {
-      at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      // per row: D x rank multiply-adds
+      at::parallel_for(0, rows, parallel_grain(2 * g.D * std::max(g.rank, 1)), [&](int64_t b, int64_t e) {
         gear::gear_lowrank_add_cpu<DType>(g, deq.data_ptr<float>(), b, e);
       });
       if (g.k > 0) {
         const int64_t nvec = g.N * (per_channel ? g.D : g.T);
         KVQ_DISPATCH_INDEX_BYTES(c.index_bytes, IdType, [&] {
-          at::parallel_for(0, nvec, 16, [&](int64_t b, int64_t e) {
+          at::parallel_for(0, nvec, parallel_grain(2 * g.k * 8), [&](int64_t b, int64_t e) {
             gear::gear_scatter_outliers_cpu<DType, IdType>(g, b, e);
           });
         });

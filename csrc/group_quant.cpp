@@ -145,9 +145,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& x,
   const int64_t units = quant::group_quant_cpu_units(p);
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(c.x.scalar_type()), DType, [&] {
-      at::parallel_for(0, units, 1, [&](int64_t b, int64_t e) {
-        quant::group_quantize_cpu<DType>(p, b, e);
-      });
+      at::parallel_for(0, units, parallel_grain(quant::group_quant_cpu_unit_bytes(p, sizeof(DType))),
+                       [&](int64_t b, int64_t e) { quant::group_quantize_cpu<DType>(p, b, e); });
     });
   });
   if (check_finite) raise_status("quantize", "x", c.status.item<int32_t>());
@@ -160,7 +159,7 @@ at::Tensor dequantize_cpu(const at::Tensor& codes, const at::Tensor& scale, cons
   const auto& p = c.params;
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(dtype), DType, [&] {
-      at::parallel_for(0, p.N * p.T, 16, [&](int64_t b, int64_t e) {
+      at::parallel_for(0, p.N * p.T, parallel_grain(p.D * (int64_t)sizeof(DType)), [&](int64_t b, int64_t e) {
         quant::group_dequantize_cpu<DType>(p, b, e);
       });
     });

@@ -165,7 +165,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cpu(
   const auto dt = dtype_id(c.x.scalar_type());
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dt, DType, [&] {
-      at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+      // per row: D/4 chunks x S candidate products (16 multiply-adds each) and their scores
+      at::parallel_for(0, rows, parallel_grain(8 * c.params.D * c.params.S), [&](int64_t b, int64_t e) {
         hqmq::hqmq_encode_cpu<DType>(c.params, b, e);
       });
     });
@@ -174,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cpu(
   if (hqmq_prepare_records(c) > 0) {
     translate_errors([&] {
       KVQ_DISPATCH_DTYPE(dt, DType, [&] {
-        at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
+        at::parallel_for(0, rows, parallel_grain(c.params.D * (int64_t)sizeof(DType)), [&](int64_t b, int64_t e) {
           hqmq::hqmq_write_records_cpu<DType>(c.params, b, e);
         });
       });
@@ -191,7 +192,8 @@ at::Tensor hqmq_decode_cpu(const at::Tensor& codes, const at::Tensor& scale,
   const auto& p = c.params;
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(dtype), DType, [&] {
-      at::parallel_for(0, p.N * p.T, 16, [&](int64_t b, int64_t e) {
+      // per row: D/4 quaternion products (16 multiply-adds each)
+      at::parallel_for(0, p.N * p.T, parallel_grain(4 * p.D), [&](int64_t b, int64_t e) {
         hqmq::hqmq_decode_cpu<DType>(p, b, e);
       });
       // Serial: records may (only if corrupt) name the same chunk twice; last one wins.

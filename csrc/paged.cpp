@@ -250,8 +250,10 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARG
   // the CPU reads the lengths and the block table: check them (the CUDA kernels trust them)
   const int64_t P = int64_t(1) << p.paged.page_shift, max_pages = block_table.size(1);
   const int64_t nfp = k_fp.size(0), ncp = k_codes.has_value() && k_codes->defined() ? k_codes->size(0) : 0;
+  int64_t total_len = 0;
   for (int64_t s = 0; s < p.B; ++s) {
     const int64_t len = p.paged.seq_lens[s], comp = p.paged.comp_lens[s];
+    total_len += len;
     KVQ_CHECK_ARG(len >= 0 && len <= max_pages * P, kAttn, "seq_lens", "entry ", s, " is ", len,
                   ", outside [0, max_pages * P = ", max_pages * P, "]");
     KVQ_CHECK_ARG(comp >= 0 && comp <= len && comp % P == 0 && (comp == 0 || ncp > 0), kAttn, "comp_lens", "entry ",
@@ -265,7 +267,10 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARG
   }
   const int64_t H = p.H;
   const auto dt = c.q.scalar_type();
-  at::parallel_for(0, p.B * H, 1, [&](int64_t lo, int64_t hi) {
+  // per (sequence, KV head), on average: Hq/H queries x its tokens x D, a key and a value
+  // multiply-add each
+  const int64_t per_row = 4 * (p.Hq / std::max<int64_t>(H, 1)) * (total_len / std::max<int64_t>(p.B, 1)) * p.D;
+  at::parallel_for(0, p.B * H, parallel_grain(per_row), [&](int64_t lo, int64_t hi) {
     std::vector<float> row, kbuf;
     for (int64_t bh = lo; bh < hi; ++bh) {
       KVQ_DISPATCH_DTYPE(dtype_id(dt), DType, [&] {

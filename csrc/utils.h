@@ -4,6 +4,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 
@@ -66,6 +67,19 @@ inline DTypeId dtype_id(at::ScalarType t) {
     case at::kBFloat16: return DTypeId::kBFloat16;
     default: KVQ_CHECK(false, "kvq: unsupported dtype ", t);
   }
+}
+
+/// Least work one at::parallel_for task should do, in bytes moved or arithmetic operations
+/// (about 10 us on one core).  Waking the thread pool costs microseconds on idle cores and
+/// milliseconds when they are busy, so a loop over less work than this runs inline on the
+/// calling thread.
+constexpr int64_t kMinTaskWork = 64 * 1024;
+
+/// \brief Grain for at::parallel_for(0, n, grain, f) when each iteration does
+/// `work_per_iteration` units of work (see kMinTaskWork): parallel_for runs f(0, n) inline
+/// when n <= grain, and otherwise gives every task at least `grain` iterations.
+inline int64_t parallel_grain(int64_t work_per_iteration) {
+  return std::max<int64_t>(1, kMinTaskWork / std::max<int64_t>(1, work_per_iteration));
 }
 
 /// \brief Contiguous, 16-byte aligned version of t (copies only when needed).

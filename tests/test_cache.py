@@ -1,4 +1,4 @@
-"""kvq.compress objects and the streaming kvq.KVCache (KIVI rule, METHODS.md §2)."""
+"""kvq.compress objects and the streaming kvq.KVCache (KIVI rule, docs/methods.md)."""
 import io
 
 import pytest

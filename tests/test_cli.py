@@ -1,5 +1,5 @@
-"""The ``kvq`` CLI: eval (JSON schema of DESIGN.md, on a tiny random model + tiny text),
-demo, bench, preset selection and the Wikipedia cleaner."""
+"""The ``kvq`` CLI: eval (the JSON schema of docs/eval.md, on a tiny random model + tiny
+text), demo, bench, argument checks, preset selection and the Wikipedia cleaner."""
 import json
 import os
 
@@ -17,12 +17,51 @@ WORDS = ("the of and to in a is was for on as with by he at from his an were are
          "school people world state between many some when while under where most over").split()
 
 
-def test_select_presets_skips_unknown_and_puts_fp16_first(capsys):
-    names = cli.select_presets("kivi-2,no-such-preset,fp16,kivi-2")
-    assert names == ["fp16", "kivi-2"]
-    assert "no-such-preset" in capsys.readouterr().err
+def test_select_presets_puts_fp16_first_and_rejects_unknown_names():
+    assert cli.select_presets("kivi-2,fp16,kivi-2") == ["fp16", "kivi-2"]
     everything = cli.select_presets("all")
     assert everything[0] == "fp16" and set(everything) == set(kvq.PRESETS)
+    with pytest.raises(cli.UsageError, match="--presets.*'no-such-preset'.*kivi-2"):
+        cli.select_presets("kivi-2,no-such-preset")
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Bad arguments must be rejected before any model is loaded or any socket is opened."""
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded / a connection was attempted")
+    monkeypatch.setattr(cli, "load_model", refuse)
+    monkeypatch.setattr(__import__("socket").socket, "connect", refuse)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["eval", "--presets", "foo"], ["--presets", "'foo'", "kivi-2", "gear-2"]),
+    (["demo", "--presets", "kivi-2,foo"], ["--presets", "'foo'", "hqmq-5"]),
+    (["eval", "--model", "/no/such/model-dir"], ["--model", "/no/such/model-dir", "local"]),
+    (["eval", "--model", "HuggingFaceTB/SmolLM2-135M"], ["--model", "HuggingFaceTB/SmolLM2-135M"]),
+    (["eval", "--text", "/no/such/text.txt"], ["--text", "/no/such/text.txt"]),
+    (["eval", "--dtype", "float8"], ["--dtype", "float8"]),
+    (["eval", "--prefill", "1"], ["--prefill"]),
+    (["eval", "--threads", "-1"], ["--threads"]),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, names, no_model_loading, capsys):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"kvq {argv[0]}: error: ")
+    for n in names:
+        assert n in err, (n, err)
+
+
+def test_model_dir_without_checkpoint_is_rejected(tmp_path, no_model_loading, capsys):
+    (tmp_path / "notes.txt").write_text("no model here")
+    assert cli.main(["eval", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--model" in err and "config.json" in err
+    bad_file = tmp_path / "weights.bin"
+    bad_file.write_bytes(b"0")
+    assert cli.main(["eval", "--model", str(bad_file)]) == 2
+    assert ".gguf" in capsys.readouterr().err
 
 
 def test_clean_wikitext():
@@ -104,14 +143,13 @@ def test_eval_json_schema(tiny_model_dir, tmp_path, capsys):
     jpath, ppath = tmp_path / "out" / "eval.json", tmp_path / "eval.png"
     args = ["eval", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt"),
             "--prefill", "140", "--continuation", "12", "--generate", "6",
-            "--presets", "kivi-2,no-such-preset,kivi-4", "--device", "cpu",
+            "--presets", "kivi-2,kivi-4", "--device", "cpu",
             "--json", str(jpath), "--quiet"]
     if _has("matplotlib"):
         args += ["--plot", str(ppath)]
     assert cli.main(args) == 0
     out = capsys.readouterr()
     assert "| preset |" in out.out and "| kivi-2 |" in out.out
-    assert "no-such-preset" in out.err
     doc = json.loads(jpath.read_text())
     assert {"model", "text", "tokens", "results"} <= set(doc)
     assert doc["tokens"] == 152 and doc["text"] == "text.txt"
@@ -146,3 +184,38 @@ def test_eval_chunked_decode_matches_token_by_token_for_fp16(tiny_model_dir, tmp
 def _has(mod):
     import importlib.util
     return importlib.util.find_spec(mod) is not None
+
+
+@pytest.fixture
+def progress_bars_on():
+    """transformers' progress bars and info logs on for the test, restored after (``--quiet``
+    turns them off for the whole process)."""
+    from transformers.utils import logging as tlog
+    was_on, level = tlog.is_progress_bar_enabled(), tlog.get_verbosity()
+    tlog.enable_progress_bar()
+    tlog.set_verbosity_info()
+    yield
+    (tlog.enable_progress_bar if was_on else tlog.disable_progress_bar)()
+    tlog.set_verbosity(level)
+
+
+def test_quiet_silences_progress_bars(tiny_model_dir, progress_bars_on, capfd, monkeypatch):
+    import transformers
+    from tqdm import tqdm
+    load = transformers.AutoModelForCausalLM.from_pretrained
+
+    def load_with_own_bar(*a, **k):  # a loader drawing a bar that ignores transformers' switch
+        for _ in tqdm(range(3), desc="converting tensors"):
+            pass
+        return load(*a, **k)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load_with_own_bar)
+    argv = ["eval", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt"),
+            "--prefill", "40", "--continuation", "4", "--generate", "2", "--presets", "kivi-2"]
+    assert cli.main(argv) == 0
+    loud = capfd.readouterr().err
+    # the control: bars appear without --quiet
+    assert "presets" in loud and "converting tensors" in loud and "it/s]" in loud
+    assert cli.main(argv + ["--quiet"]) == 0
+    quiet = capfd.readouterr()
+    assert "| kivi-2 |" in quiet.out
+    assert "it/s]" not in quiet.err and "%|" not in quiet.err, quiet.err

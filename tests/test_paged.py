@@ -330,3 +330,30 @@ def test_cuda_graph_replay_across_lengths(preset):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, run()), f"replay {step}"
+
+
+def test_one_plan_per_step_shared_by_layers(monkeypatch):
+    """Layers appended in lockstep share the block tables and the plan of a step; a layer that
+    is ahead gets its own (and its own results)."""
+    H, D, L = 2, 64, 3
+    cache = kvq.PagedKVCache("kivi-2", num_layers=L, num_kv_heads=H, head_dim=D, max_tokens=2048, page_size=128)
+    ids = [cache.add_sequence(), cache.add_sequence()]
+    calls = []
+    real = kvq.ops.paged_decode_plan
+    monkeypatch.setattr(kvq.ops, "paged_decode_plan", lambda *a: calls.append(1) or real(*a))
+    q = torch.randn(2, 4 * H, D, dtype=torch.float16)
+    for step, T in enumerate((300, 1, 1)):
+        for layer in range(L):
+            cache.append(layer, ids, make_kv(2, H, T, D, torch.float16, "cpu"), make_kv(2, H, T, D, torch.float16, "cpu"))
+            cache.decode_attention(q, layer, ids)
+        assert len(calls) == step + 1
+    cache.append(0, ids, make_kv(2, H, 1, D, torch.float16, "cpu"), make_kv(2, H, 1, D, torch.float16, "cpu"))
+    out0 = cache.decode_attention(q, 0, ids)
+    out1 = cache.decode_attention(q, 1, ids)
+    assert len(calls) == 4  # layer 1 still has the history of the last step: its tables are cached
+    for layer, out in ((0, out0), (1, out1)):
+        for i, sid in enumerate(ids):
+            K, V = cache.dequantize(layer, sid)
+            ref, _ = attention_ref(q[i], K[0], V[0], D ** -0.5)
+            assert (out[i].float() - ref).norm() / ref.norm() < 1e-3
+    assert cache.seq_len(ids[0], 0) == 303 and cache.seq_len(ids[0], 1) == 302

@@ -31,43 +31,24 @@ cudaError_t paged_decode_plan_cuda(const int32_t* seq_lens, const int32_t* comp_
   return LaunchPagedDecodePlan(seq_lens, comp_lens, num_seqs, max_items, work, stream);
 }
 
-#define KVQ_PAGED_GENERIC(EXPR)                    \
-  switch (p.D) {                                   \
-    case 32: return EXPR(32);                      \
-    case 64: return EXPR(64);                      \
-    case 128: return EXPR(128);                    \
-    case 256: return EXPR(256);                    \
-    default: return EXPR(0);                       \
-  }
-
 int paged_decode_attention_occupancy(const DecodeAttnParams& p, DTypeId dtype) {
   if (paged_decode_attention_mma_ok(p, dtype)) {
-    switch (p.k.bits) {
-      case 2: return paged_decode_attention_mma_occupancy_b2(p, dtype);
-      case 4: return paged_decode_attention_mma_occupancy_b4(p, dtype);
-      case 8: return paged_decode_attention_mma_occupancy_b8(p, dtype);
-      default: return 0;
-    }
+    KVQ_SWITCH_CODE_BITS(p.k.bits, paged_decode_attention_mma_occupancy, 0, p, dtype)
   }
   const int g = (int)(p.Hq / p.H);
 #define KVQ_OCC(D) (D == 0 ? 0 : PagedDecodeAttentionOccupancy<DType, (D == 0 ? 32 : D), 2, true, false>(g))
-  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> int { KVQ_PAGED_GENERIC(KVQ_OCC) });
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> int { KVQ_SWITCH_HEAD_DIM_OR_0(p.D, KVQ_OCC) });
 #undef KVQ_OCC
 }
 
 cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream) {
   if (p.paged.block_table == nullptr || p.paged.work == nullptr) return cudaErrorInvalidValue;
   if (paged_decode_attention_mma_ok(p, dtype)) {
-    switch (p.k.bits) {
-      case 2: return paged_decode_attention_mma_b2(p, dtype, stream);
-      case 4: return paged_decode_attention_mma_b4(p, dtype, stream);
-      case 8: return paged_decode_attention_mma_b8(p, dtype, stream);
-      default: return cudaErrorInvalidValue;
-    }
+    KVQ_SWITCH_CODE_BITS(p.k.bits, paged_decode_attention_mma, cudaErrorInvalidValue, p, dtype, stream)
   }
 #define KVQ_LAUNCH(D) \
   (D == 0 ? cudaErrorInvalidValue : LaunchPagedDecodeAttention<DType, (D == 0 ? 32 : D), 2, true, false>(p, stream))
-  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t { KVQ_PAGED_GENERIC(KVQ_LAUNCH) });
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t { KVQ_SWITCH_HEAD_DIM_OR_0(p.D, KVQ_LAUNCH) });
 #undef KVQ_LAUNCH
 }
 

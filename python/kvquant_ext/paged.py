@@ -42,6 +42,7 @@ class _Seq:
     length: int = 0
     comp_pages: List[int] = field(default_factory=list)
     fp_pages: List[int] = field(default_factory=list)
+    row: Optional[torch.Tensor] = None  # int32 block-table row (host), None when the pages changed
 
 
 class _Layer:
@@ -63,6 +64,10 @@ class _Layer:
                                    torch.zeros(sshape, dtype=torch.float16, device=device))
             self.free_comp = list(range(n_comp - 1, 0, -1))
         self.seqs: Dict[int, _Seq] = {}
+        # a digest of every append and free this layer has seen: layers with equal histories
+        # hold identical page lists (their pools and free lists evolve identically), so they
+        # share one set of device tables and one plan per step
+        self.history = 0
 
     def comp_tensors(self):
         if self.comp is None:
@@ -127,6 +132,8 @@ class PagedKVCache:
             n_fp = 1 + -(-max_tokens // P) + max_seqs
         self.layers = [_Layer(num_kv_heads, P, head_dim, dtype, self.device, n_fp, n_comp, self.kspec, self.vspec)
                        for _ in range(num_layers)]
+        self._slots = None
+        self._table_cache: Dict[tuple, tuple] = {}
         self._next_id = 0
         self._live: Dict[int, None] = {}
 
@@ -146,6 +153,7 @@ class PagedKVCache:
         """Return the sequence's pages to the pools (they are reused by later sequences)."""
         self._check_ids([seq_id])
         for layer in self.layers:
+            layer.history = hash((layer.history, "free", seq_id))
             s = layer.seqs.pop(seq_id)
             layer.free_comp.extend(reversed(s.comp_pages))
             layer.free_fp.extend(reversed(s.fp_pages))
@@ -167,6 +175,12 @@ class PagedKVCache:
             raise IndexError(f"argument 'layer_idx' must be in [0, {self.num_layers}), got {layer_idx!r}")
         return self.layers[layer_idx]
 
+    def _check_dtype_device(self, name: str, x: torch.Tensor) -> None:
+        if x.dtype != self.dtype:
+            raise TypeError(f"argument '{name}' must have the cache dtype {self.dtype}, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"argument '{name}' is on {x.device}, but this cache is on {self.device}")
+
     # ------------------------------------------------------------------ append
     def append(self, layer_idx: int, seq_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Append ``k, v [n, H, T, D]``: T new tokens to each of the n listed sequences."""
@@ -179,10 +193,7 @@ class PagedKVCache:
                 raise TypeError(f"argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
             if x.dim() != 4 or x.shape[0] != len(seq_ids) or x.shape[1] != H or x.shape[3] != D:
                 raise ValueError(f"argument '{name}' must be [n={len(seq_ids)}, H={H}, T, D={D}], got {tuple(x.shape)}")
-            if x.dtype != self.dtype:
-                raise TypeError(f"argument '{name}' must have the cache dtype {self.dtype}, got {x.dtype}")
-            if x.device != self.device:
-                raise ValueError(f"argument '{name}' is on {x.device}, but this cache is on {self.device}")
+            self._check_dtype_device(name, x)
         if v.shape != k.shape:
             raise ValueError(f"arguments 'k' {tuple(k.shape)} and 'v' {tuple(v.shape)} must have the same shape")
         T = k.shape[2]
@@ -196,6 +207,7 @@ class PagedKVCache:
         step = T if self.kspec is None else max(P, P * (self.staging_pages // len(seq_ids)))
         for a in range(0, T, step):
             self._append_round(layer, seq_ids, k[:, :, a:a + step], v[:, :, a:a + step])
+        layer.history = hash((layer.history, tuple(seq_ids), T))
 
     def _reserve(self, layer: _Layer, seq_ids, T: int) -> None:
         """Raise (changing nothing) if the pools cannot take T more tokens of each sequence."""
@@ -218,6 +230,7 @@ class PagedKVCache:
             end = st.length + T
             while len(st.comp_pages) * P + len(st.fp_pages) * P < end:  # full-precision pages for the new tokens
                 st.fp_pages.append(layer.free_fp.pop())
+                st.row = None
             base = len(st.comp_pages) * P
             for t in range(st.length, end):
                 slots.append(st.fp_pages[(t - base) // P] * P + (t - base) % P)
@@ -252,31 +265,46 @@ class PagedKVCache:
                 layer.free_fp.extend(reversed(st.fp_pages[:nfull]))
                 st.fp_pages = st.fp_pages[nfull:]
                 st.comp_pages.extend(dst[i:i + nfull])
+                st.row = None
                 i += nfull
 
     # ------------------------------------------------------------------ attention
     def batch_tables(self, layer_idx: int, seq_ids: Sequence[int]):
         """Device tensors of the listed sequences: ``(block_table [n, max_pages], seq_lens [n],
         comp_lens [n])``, int32 (the engine-facing ops' inputs)."""
-        layer = self._layer(layer_idx)
-        seq_ids = list(seq_ids)
+        return self._tables(self._layer(layer_idx), list(seq_ids))[:3]
+
+    def _tables(self, layer: _Layer, seq_ids: List[int]):
+        """(block_table, seq_lens, comp_lens, work) of a batch.  Built once per layer history and
+        batch: in a decode step every layer, once appended, has the history of the first one, so
+        the tables and the plan are built once per step and shared by all layers."""
+        key = (layer.history, tuple(seq_ids))
+        hit = self._table_cache.get(key)
+        if hit is not None:
+            return hit
         self._check_ids(seq_ids)
-        rows = [layer.seqs[s].comp_pages + layer.seqs[s].fp_pages for s in seq_ids]
-        width = max(1, max((len(r) for r in rows), default=1))
-        bt = torch.zeros((len(seq_ids), width), dtype=torch.int32)
-        for i, r in enumerate(rows):
-            if r:
-                bt[i, :len(r)] = torch.tensor(r, dtype=torch.int32)
-        lens = torch.tensor([layer.seqs[s].length for s in seq_ids], dtype=torch.int32)
-        comp = torch.tensor([len(layer.seqs[s].comp_pages) * self.page_size for s in seq_ids], dtype=torch.int32)
-        return bt.to(self.device), lens.to(self.device), comp.to(self.device)
+        seqs = [layer.seqs[s] for s in seq_ids]
+        n, P = len(seqs), self.page_size
+        for st in seqs:
+            if st.row is None:
+                st.row = torch.tensor(st.comp_pages + st.fp_pages or [0], dtype=torch.int32)
+        bt = torch.nn.utils.rnn.pad_sequence([st.row for st in seqs], batch_first=True).to(self.device)
+        lc = torch.tensor([st.length for st in seqs] + [len(st.comp_pages) * P for st in seqs],
+                          dtype=torch.int32).to(self.device)
+        lens, comp = lc[:n], lc[n:]
+        work = _ops.paged_decode_plan(lens, comp, self.default_max_items(n))
+        if len(self._table_cache) >= 16:
+            self._table_cache.clear()
+        self._table_cache[key] = (bt, lens, comp, work)
+        return bt, lens, comp, work
 
     def default_max_items(self, num_seqs: int) -> int:
         """A work-list capacity that fills the device in one wave of split CTAs."""
-        slots = 264
-        if self.device.type == "cuda":
-            slots = 3 * torch.cuda.get_device_properties(self.device).multi_processor_count
-        return min(65535, 2 * num_seqs + 2 + 2 * -(-slots // self.num_kv_heads))
+        if self._slots is None:
+            self._slots = 264
+            if self.device.type == "cuda":
+                self._slots = 3 * torch.cuda.get_device_properties(self.device).multi_processor_count
+        return min(65535, 2 * num_seqs + 2 + 2 * -(-self._slots // self.num_kv_heads))
 
     def decode_attention(self, q: torch.Tensor, layer_idx: int, seq_ids: Sequence[int],
                          scale: Optional[float] = None, *, return_lse: bool = False):
@@ -287,14 +315,10 @@ class PagedKVCache:
         if not isinstance(q, torch.Tensor) or q.dim() != 3 or q.shape[0] != len(seq_ids) or q.shape[2] != self.head_dim:
             raise ValueError(f"argument 'q' must be [n={len(seq_ids)}, Hq, D={self.head_dim}], got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-        if q.dtype != self.dtype:
-            raise TypeError(f"argument 'q' must have the cache dtype {self.dtype}, got {q.dtype}")
-        if q.device != self.device:
-            raise ValueError(f"argument 'q' is on {q.device}, but this cache is on {self.device}")
+        self._check_dtype_device("q", q)
         if q.shape[1] % self.num_kv_heads:
             raise ValueError(f"argument 'q' has {q.shape[1]} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
-        bt, lens, comp = self.batch_tables(layer_idx, seq_ids)
-        work = _ops.paged_decode_plan(lens, comp, self.default_max_items(len(seq_ids)))
+        bt, lens, comp, work = self._tables(layer, seq_ids)
         if scale is None:
             scale = self.head_dim ** -0.5
         bits = self.kspec.bits if self.kspec is not None else 2

@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference of GEAR (METHODS.md §4): per-vector fixed-k outliers with the
+"""Plain-PyTorch reference of GEAR (docs/methods.md): per-vector fixed-k outliers with the
 library's tie rule, outliers filled within their own quantization group (clamped into the
 group's inlier range; a group without an inlier becomes +0) before the backbone
 quantization (quant_reference), the residual with zeros at outliers, and a QR-based subspace

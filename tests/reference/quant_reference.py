@@ -1,5 +1,5 @@
-"""Plain-PyTorch reference of asymmetric min/max group quantization (METHODS.md §1)
-and of KIVI's streaming rule (§2).  Mirrors the library's storage choices: zero point
+"""Plain-PyTorch reference of asymmetric min/max group quantization (docs/methods.md)
+and of KIVI's streaming rule.  Mirrors the library's storage choices: zero point
 rounded down to fp16, scale rounded up to fp16, codes round-half-even."""
 from __future__ import annotations
 

@@ -1678,8 +1678,30 @@ __global__ void DecodeAttentionCombineKernel(float* ws, void* out, int64_t rows,
                              reinterpret_cast<float*>(smem));
 }
 
+/// \brief Launch `kernel` as a programmatic dependent of the kernel just launched on `stream`
+/// (it may start while that one drains and waits in pdl_wait_prerequisites); a plain launch
+/// where that is refused.
+template <typename... KArgs, typename... Args>
+cudaError_t launch_programmatic_dependent(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                                          cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaSuccess;
+  (void)cudaGetLastError();
+  kernel<<<grid, block, smem, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 /// \brief Launch the combine over `rows` = B * Hq output rows as a programmatic dependent of
-/// the split kernel just launched on `stream` (a plain launch where that is refused).
+/// the split kernel just launched on `stream`.
 template <typename DType, int D>
 cudaError_t LaunchDecodeAttentionCombine(float* ws, void* out, int64_t rows, int splits, cudaStream_t stream) {
   auto kernel = DecodeAttentionCombineKernel<DType, D>;
@@ -1688,20 +1710,9 @@ cudaError_t LaunchDecodeAttentionCombine(float* ws, void* out, int64_t rows, int
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)rows);
-  cfg.blockDim = dim3(D / 4 > 32 ? D / 4 : 32);  // one float4 column per thread
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, ws, out, rows, splits) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();
-  kernel<<<cfg.gridDim, cfg.blockDim, smem, stream>>>(ws, out, rows, splits);
-  return cudaGetLastError();
+  // one float4 column per thread
+  return launch_programmatic_dependent(kernel, dim3((unsigned)rows), dim3(D / 4 > 32 ? D / 4 : 32), smem, stream, ws,
+                                       out, rows, splits);
 }
 
 inline bool aligned16(const void* ptr, int64_t sb, int64_t sh, int64_t elem) {

@@ -212,25 +212,13 @@ cudaError_t LaunchPagedDecodeAttention(const DecodeAttnParams& p, cudaStream_t s
   kernel<<<dim3((unsigned)p.H, (unsigned)p.paged.max_items), kWarps * 32, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  auto combine = PagedDecodeCombineKernel<DType, D>;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3((unsigned)(p.B * p.Hq));
-  cfg.blockDim = dim3(D / 4 > 32 ? D / 4 : 32);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
   const float* ws = p.ws;
   const int32_t* work = p.paged.work;
   void* out = p.out;
   float* lse = p.paged.lse;
   const int64_t n = p.B, Hq = p.Hq, mi = p.paged.max_items;
-  if (cudaLaunchKernelEx(&cfg, combine, ws, work, out, lse, n, Hq, mi) == cudaSuccess) return cudaSuccess;
-  (void)cudaGetLastError();
-  combine<<<cfg.gridDim, cfg.blockDim, 0, stream>>>(ws, work, out, lse, n, Hq, mi);
-  return cudaGetLastError();
+  return launch_programmatic_dependent(PagedDecodeCombineKernel<DType, D>, dim3((unsigned)(n * Hq)),
+                                       dim3(D / 4 > 32 ? D / 4 : 32), 0, stream, ws, work, out, lse, n, Hq, mi);
 }
 
 /// \brief Resident CTAs per SM of a paged split kernel instantiation (0 on error).

@@ -43,3 +43,23 @@ enum class DTypeId : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
   }()
 
 }  // namespace kvq
+
+/// `return EXPR(D)` for head dim `head_dim` in {32, 64, 128, 256}, `return EXPR(0)` otherwise
+/// (the caller's EXPR turns 0 into its error value); a statement, for host entry points.
+#define KVQ_SWITCH_HEAD_DIM_OR_0(head_dim, EXPR) \
+  switch (head_dim) {                            \
+    case 32: return EXPR(32);                    \
+    case 64: return EXPR(64);                    \
+    case 128: return EXPR(128);                  \
+    case 256: return EXPR(256);                  \
+    default: return EXPR(0);                     \
+  }
+/// `return FN##_b2 / _b4 / _b8(args...)` for code width `bits`, `return FALLBACK` otherwise: the
+/// tensor-core decode entry points, one translation unit per code width.
+#define KVQ_SWITCH_CODE_BITS(bits, FN, FALLBACK, ...) \
+  switch (bits) {                                     \
+    case 2: return FN##_b2(__VA_ARGS__);              \
+    case 4: return FN##_b4(__VA_ARGS__);              \
+    case 8: return FN##_b8(__VA_ARGS__);              \
+    default: return FALLBACK;                         \
+  }

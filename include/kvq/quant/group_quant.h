@@ -104,6 +104,11 @@ inline int64_t group_quant_cpu_units(const GroupQuantParams& p) {
   return p.per_channel ? (p.group > 0 ? p.N * (p.T / p.group) : 0) : p.N * p.T;
 }
 
+/// \brief Input bytes one unit of group_quantize_cpu reads (`elem_bytes` per element).
+inline int64_t group_quant_cpu_unit_bytes(const GroupQuantParams& p, int64_t elem_bytes) {
+  return (p.per_channel ? p.group : 1) * p.D * elem_bytes;
+}
+
 /// \brief Pack `D` codes of one row (LSB-first within 32-bit words).
 inline void pack_row(const uint32_t* code, int64_t D, int bits, int32_t* words) {
   const int cpw = 32 / bits;
