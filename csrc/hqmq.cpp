@@ -121,7 +121,7 @@ HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& sc
   CHECK_DTYPE(op, outliers, "outliers", at::kInt);
   CHECK_MIN_DIM(op, codes, "codes", 3);
   KVQ_CHECK_ARG(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op, "dtype",
-                "must be float16, bfloat16 or float32, got ", dtype);
+                "must be ", kDTypesText, ", got ", dtype);
   check_hqmq_head_dim(op, "head_dim", head_dim);
   const int64_t H = codes.size(-3), T = codes.size(-2);
   check_secondary(op, secondary, H);

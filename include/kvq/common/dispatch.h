@@ -44,7 +44,7 @@ enum class DTypeId : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 }  // namespace kvq
 
-/// `return EXPR(D)` for head dim `head_dim` in {32, 64, 128, 256}, `return EXPR(0)` otherwise
+/// `return EXPR(D)` for head dim `head_dim` in kHeadDims, `return EXPR(0)` otherwise
 /// (the caller's EXPR turns 0 into its error value); a statement, for host entry points.
 #define KVQ_SWITCH_HEAD_DIM_OR_0(head_dim, EXPR) \
   switch (head_dim) {                            \
