@@ -123,6 +123,35 @@ def test_saturation_extremes(device):
 
 
 # ----------------------------------------------------------------------------- bad input
+def test_declared_sets_are_what_the_checks_accept():
+    """kvq.HEAD_DIMS / kvq.BITS / kvq.DTYPES (the build's declared sets) are exactly what the C++
+    argument checks of kvq.quantize and the Python QuantSpec accept."""
+    assert set(kvq.MMA_HEAD_DIMS) <= set(kvq.HEAD_DIMS)
+    for D in range(4, 516, 4):
+        x = torch.randn(1, 1, 2, D)
+        if D in kvq.HEAD_DIMS:
+            kvq.quantize(x, 2, -1, False)
+        else:
+            with pytest.raises(RuntimeError, match="'x'.*head.*dimension"):
+                kvq.quantize(x, 2, -1, False)
+    x = torch.randn(1, 1, 2, 64)
+    for bits in range(0, 17):
+        if bits in kvq.BITS:
+            kvq.quantize(x, bits, -1, False)
+            kvq.QuantSpec(bits, -1, False)
+        else:
+            with pytest.raises(RuntimeError, match="'bits'"):
+                kvq.quantize(x, bits, -1, False)
+            with pytest.raises(ValueError, match="'bits'"):
+                kvq.QuantSpec(bits, -1, False)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32):
+        if dtype in kvq.DTYPES:
+            kvq.quantize(x.to(dtype), 2, -1, False)
+        else:
+            with pytest.raises(RuntimeError, match="'x'.*must be"):
+                kvq.quantize(x.to(dtype), 2, -1, False)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_input_errors(device):
     x = torch.randn(1, 2, 64, 128, device=device)
