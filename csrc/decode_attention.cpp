@@ -22,7 +22,7 @@ static attention::QuantKV make_role(const char* role, const at::Tensor& q, const
                                     int64_t B, int64_t H, int64_t D) {
   const std::string r(role);
   const auto cn = r + "_codes", sn = r + "_scale", zn = r + "_zero", rn = r + "_residual";
-  KVQ_CHECK_ARG(bits == 2 || bits == 4 || bits == 8, kOp, (r + "_bits").c_str(), "must be 2, 4 or 8, got ", bits);
+  KVQ_CHECK_ARG(supported_bits(bits), kOp, (r + "_bits").c_str(), "must be ", kBitsText, ", got ", bits);
   CHECK_DTYPE(kOp, codes, cn.c_str(), at::kInt);
   CHECK_DTYPE(kOp, scale, sn.c_str(), at::kHalf);
   CHECK_DTYPE(kOp, zero, zn.c_str(), at::kHalf);

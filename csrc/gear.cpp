@@ -152,10 +152,10 @@ GearCompressCall prepare_gear_compress(const at::Tensor& x, int64_t bits, int64_
   const char* op = "gear_compress";
   CHECK_FLOATING(op, x, "x");
   CHECK_MIN_DIM(op, x, "x", 2);
-  KVQ_CHECK_ARG(bits == 2 || bits == 4 || bits == 8, op, "bits", "must be 2, 4 or 8, got ", bits);
+  KVQ_CHECK_ARG(supported_bits(bits), op, "bits", "must be ", kBitsText, ", got ", bits);
   const int64_t T = x.size(-2), D = x.size(-1);
-  KVQ_CHECK_ARG(D == 32 || D == 64 || D == 128 || D == 256, op, "x",
-                "must have a last (head) dimension of 32, 64, 128 or 256, got ", D);
+  KVQ_CHECK_ARG(supported_head_dim(D), op, "x",
+                "must have a last (head) dimension of ", kHeadDimsText, ", got ", D);
   KVQ_CHECK_ARG(group_size == -1 || group_size > 0, op, "group_size",
                 "must be positive or -1 (whole axis), got ", group_size);
   if (per_channel) {

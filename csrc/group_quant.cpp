@@ -17,8 +17,8 @@ void raise_status(const char* op, const char* arg, int32_t status) {
 }
 
 static void check_head_dim(const char* op, const char* arg, int64_t D, int64_t bits) {
-  KVQ_CHECK_ARG(D == 32 || D == 64 || D == 128 || D == 256, op, arg,
-                "must have a last (head) dimension of 32, 64, 128 or 256, got ", D);
+  KVQ_CHECK_ARG(supported_head_dim(D), op, arg,
+                "must have a last (head) dimension of ", kHeadDimsText, ", got ", D);
   (void)bits;
 }
 
@@ -27,7 +27,7 @@ QuantizeCall prepare_quantize(const at::Tensor& x_in, int64_t bits, int64_t grou
   const char* op = "quantize";
   CHECK_FLOATING(op, x_in, "x");
   CHECK_MIN_DIM(op, x_in, "x", 2);
-  KVQ_CHECK_ARG(bits == 2 || bits == 4 || bits == 8, op, "bits", "must be 2, 4 or 8, got ", bits);
+  KVQ_CHECK_ARG(supported_bits(bits), op, "bits", "must be ", kBitsText, ", got ", bits);
   const int64_t T = x_in.size(-2), D = x_in.size(-1);
   check_head_dim(op, "x", D, bits);
   KVQ_CHECK_ARG(group_size == -1 || group_size > 0, op, "group_size",
@@ -84,13 +84,13 @@ DequantizeCall prepare_dequantize(const at::Tensor& codes, const at::Tensor& sca
                                   const at::Tensor& zero, int64_t bits, bool per_channel,
                                   at::ScalarType dtype) {
   const char* op = "dequantize";
-  KVQ_CHECK_ARG(bits == 2 || bits == 4 || bits == 8, op, "bits", "must be 2, 4 or 8, got ", bits);
+  KVQ_CHECK_ARG(supported_bits(bits), op, "bits", "must be ", kBitsText, ", got ", bits);
   CHECK_DTYPE(op, codes, "codes", at::kInt);
   CHECK_DTYPE(op, scale, "scale", at::kHalf);
   CHECK_DTYPE(op, zero, "zero", at::kHalf);
   CHECK_MIN_DIM(op, codes, "codes", 2);
   KVQ_CHECK_ARG(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op, "dtype",
-                "must be float16, bfloat16 or float32, got ", dtype);
+                "must be ", kDTypesText, ", got ", dtype);
   CHECK_SAME_DEVICE(op, codes, "codes", scale, "scale");
   CHECK_SAME_DEVICE(op, codes, "codes", zero, "zero");
   KVQ_CHECK_ARG(scale.sizes() == zero.sizes(), op, "zero", "must have the shape of 'scale' ",

@@ -12,8 +12,7 @@ namespace kvq {
 static void check_hqmq_head_dim(const char* op, const char* arg, int64_t D) {
   KVQ_CHECK_ARG(D % 4 == 0, op, arg,
                 "must have a head dim (last dimension) divisible by 4 (quaternion chunks), got ", D);
-  KVQ_CHECK_ARG(D == 32 || D == 64 || D == 128 || D == 256, op, arg,
-                "must have a head dim of 32, 64, 128 or 256, got ", D);
+  KVQ_CHECK_ARG(supported_head_dim(D), op, arg, "must have a head dim of ", kHeadDimsText, ", got ", D);
 }
 
 static void check_radius_bits(const char* op, int64_t radius_bits) {
@@ -122,7 +121,7 @@ HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& sc
   CHECK_DTYPE(op, outliers, "outliers", at::kInt);
   CHECK_MIN_DIM(op, codes, "codes", 3);
   KVQ_CHECK_ARG(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op, "dtype",
-                "must be float16, bfloat16 or float32, got ", dtype);
+                "must be ", kDTypesText, ", got ", dtype);
   check_hqmq_head_dim(op, "head_dim", head_dim);
   const int64_t H = codes.size(-3), T = codes.size(-2);
   check_secondary(op, secondary, H);

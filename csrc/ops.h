@@ -185,12 +185,12 @@ at::Tensor decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS);
 
 // ----- decode attention over HQMQ caches (csrc/decode_attention_hqmq.cpp) -----
 /// \brief Shared head of the decode-attention argument checks: q [B, Hq, D] floating, D in
-/// {32, 64, 128, 256}, k_codes [B, H, ...] with Hq a multiple of H and at most 16 query heads
+/// kHeadDims, k_codes [B, H, ...] with Hq a multiple of H and at most 16 query heads
 /// per KV head.  Returns {B, Hq, D, H} (q already made contiguous by the caller).
 inline std::array<int64_t, 4> check_decode_attention_q(const char* op, const at::Tensor& q,
                                                        const at::Tensor& k_codes) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  KVQ_CHECK_ARG(D == 32 || D == 64 || D == 128 || D == 256, op, "q", "head dim must be 32, 64, 128 or 256, got ", D);
+  KVQ_CHECK_ARG(supported_head_dim(D), op, "q", "head dim must be ", kHeadDimsText, ", got ", D);
   CHECK_DIM(op, k_codes, "k_codes", 4);
   const int64_t H = k_codes.size(1);
   KVQ_CHECK_ARG(H > 0 && Hq % H == 0, op, "q", "has ", Hq, " heads, which is not a multiple of the cache's ", H,

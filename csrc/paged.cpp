@@ -66,7 +66,7 @@ static attention::QuantKV make_pool_role(const char* op, const std::string& r, c
   KVQ_CHECK_ARG(has == (scale.has_value() && scale->defined()) && has == (zero.has_value() && zero->defined()), op,
                 cn.c_str(), "'", sn, "' and '", zn, "' must be given together");
   if (!has) return s;
-  KVQ_CHECK_ARG(bits == 2 || bits == 4 || bits == 8, op, "bits", "must be 2, 4 or 8, got ", bits);
+  KVQ_CHECK_ARG(supported_bits(bits), op, "bits", "must be ", kBitsText, ", got ", bits);
   CHECK_DTYPE(op, *codes, cn.c_str(), at::kInt);
   CHECK_DTYPE(op, *scale, sn.c_str(), at::kHalf);
   CHECK_DTYPE(op, *zero, zn.c_str(), at::kHalf);
@@ -191,7 +191,7 @@ PagedAttentionCall prepare_paged_decode_attention(KVQ_PAGED_ATTN_ARGS) {
   c.q = q.contiguous();
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t H = k_fp.size(1), P = k_fp.size(2);
-  KVQ_CHECK_ARG(D == 32 || D == 64 || D == 128 || D == 256, kAttn, "q", "head dim must be 32, 64, 128 or 256, got ", D);
+  KVQ_CHECK_ARG(supported_head_dim(D), kAttn, "q", "head dim must be ", kHeadDimsText, ", got ", D);
   KVQ_CHECK_ARG(k_fp.size(3) == D, kAttn, "k_fp", "must have the head dim of 'q' (", D, "), got ", k_fp.size(3));
   KVQ_CHECK_ARG(H > 0 && Hq % H == 0, kAttn, "q", "has ", Hq, " heads, which is not a multiple of the cache's ", H,
                 " KV heads");

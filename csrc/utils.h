@@ -8,6 +8,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kvq/build_config.h"
 #include "kvq/common/dispatch.h"
 #include "kvq/common/exception.h"
 
@@ -21,7 +22,7 @@
 #define CHECK_FLOATING(op, t, name)                                                       \
   KVQ_CHECK_ARG((t).scalar_type() == at::kHalf || (t).scalar_type() == at::kBFloat16 ||    \
                     (t).scalar_type() == at::kFloat,                                      \
-                op, name, "must be float16, bfloat16 or float32, got ", (t).scalar_type())
+                op, name, "must be ", ::kvq::kDTypesText, ", got ", (t).scalar_type())
 #define CHECK_DTYPE(op, t, name, dtype) \
   KVQ_CHECK_ARG((t).scalar_type() == (dtype), op, name, "must have dtype ", dtype, ", got ", (t).scalar_type())
 #define CHECK_MIN_DIM(op, t, name, d) \

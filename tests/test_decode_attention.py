@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
-from conftest import CUDA, requires_cuda
+from conftest import CUDA, DTYPES, MMA_HEAD_DIMS, requires_cuda
 from reference.attention_reference import reference_decode_attention
 from test_group_quant import make_kv
 
@@ -43,9 +43,9 @@ def test_presets_and_lengths(device, preset, T, steps):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("ratio", [1, 4, 7, 20])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_head_dims_gqa_dtypes(device, D, ratio, dtype):
     H = 2
     cache = build_cache("kivi-2", 1, H, 333 if device == "cuda" else 150, D, dtype, device, steps=5)

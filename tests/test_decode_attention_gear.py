@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
-from conftest import CUDA, requires_cuda
+from conftest import CUDA, DTYPES, MMA_HEAD_DIMS, requires_cuda
 from test_decode_attention import check
 from test_group_quant import make_kv
 
@@ -52,7 +52,7 @@ def test_presets_lengths_streaming(device, preset, T, steps):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("ratio", [1, 4, 7, 12])
 def test_head_dims_gqa(device, D, ratio):
     H = 2
@@ -131,7 +131,7 @@ def _entries(stream, blk_idx, blk):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset", FUSED)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_stored_corrections(device, preset, dtype):
     """Every outlier entry of every block (prefill and each streamed decode block, with its own
     factors) carries d = v - xhat in the cache dtype, xhat recomputed here independently by

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
-from conftest import CUDA, requires_cuda
+from conftest import CUDA, MMA_HEAD_DIMS, requires_cuda
 from reference.attention_reference import reference_decode_attention
 
 PRESETS = ["hqmq-3.79", "hqmq-5"]
@@ -62,7 +62,7 @@ def num_records(cache):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("T", [1, 17, 33, 300])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 def test_presets_lengths_head_dims(device, preset, T, D):
     cache = build(preset, 2, 2, T, D, torch.float16, device)
     q = torch.randn(2, 8, D, dtype=torch.float16, device=device)
@@ -214,7 +214,7 @@ def test_opcheck(device, preset):
 
 @requires_cuda
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("T", [4096, 5000])
 def test_cuda_long_matches_cpu(preset, D, T):
     """Long caches (mma path, many splits, tail on the generic path) against the reference

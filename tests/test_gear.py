@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
+from conftest import DTYPES, MMA_HEAD_DIMS
 from reference.gear_reference import (gear_ref, group_fill_ref, kivi_ref, outlier_count, outlier_select_ref,
                                       power_iter_ref)
 
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-HEAD_DIMS = [64, 128]
+HEAD_DIMS = [64, 128]  # CPU tests: two of the supported head dims
 SEEDS = [0, 1]
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA not available")
@@ -973,7 +973,7 @@ def _check_keys_fused(x, bits, G, s, rank=2, check_finite=True, nan=False):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("bits,G", [(2, 64), (4, 8), (8, -1), (2, 32), (4, 16)])
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
 def test_cuda_gear_values_fused_matches_cpu(dtype, D, bits, G, k):
@@ -984,7 +984,7 @@ def test_cuda_gear_values_fused_matches_cpu(dtype, D, bits, G, k):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("bits,G", [(2, 64), (4, 8), (8, -1)])
 def test_cuda_gear_values_fused_k0(dtype, D, bits, G):
     """GEAR-L (s = 0) values take the fused kernel without selection or clamp; a row with
@@ -1053,7 +1053,7 @@ def test_cuda_gear_values_fused_nonfinite(dtype):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 def test_cuda_gear_values_fused_layout_edges(dtype, D, k):
     """16 channels per lane, D / 16 lanes per row, several rows per warp: row counts that are

@@ -3,13 +3,10 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
-from conftest import CUDA, requires_cuda
+from conftest import BITS, CUDA, DTYPES, HEAD_DIMS, MMA_HEAD_DIMS, requires_cuda
 from reference.quant_reference import (dequantize_ref, expand_scale, pack_ref, quantize_ref,
                                        unpack_ref)
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-BITS = [2, 4, 8]
-HEAD_DIMS = [64, 128, 256]
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 
@@ -43,7 +40,7 @@ def check_against_ref(x, bits, G, per_channel, codes, scale, zero):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("per_channel,G", [(True, 32), (True, -1), (False, 32), (False, -1), (False, 64)])
 def test_quantize_matches_reference(device, dtype, bits, D, per_channel, G):
     T = 64 if per_channel else 17
@@ -126,6 +123,35 @@ def test_saturation_extremes(device):
 
 
 # ----------------------------------------------------------------------------- bad input
+def test_declared_sets_are_what_the_checks_accept():
+    """kvq.HEAD_DIMS / kvq.BITS / kvq.DTYPES (the build's declared sets) are exactly what the C++
+    argument checks of kvq.quantize and the Python QuantSpec accept."""
+    assert set(kvq.MMA_HEAD_DIMS) <= set(kvq.HEAD_DIMS)
+    for D in range(4, 516, 4):
+        x = torch.randn(1, 1, 2, D)
+        if D in kvq.HEAD_DIMS:
+            kvq.quantize(x, 2, -1, False)
+        else:
+            with pytest.raises(RuntimeError, match="'x'.*head.*dimension"):
+                kvq.quantize(x, 2, -1, False)
+    x = torch.randn(1, 1, 2, 64)
+    for bits in range(0, 17):
+        if bits in kvq.BITS:
+            kvq.quantize(x, bits, -1, False)
+            kvq.QuantSpec(bits, -1, False)
+        else:
+            with pytest.raises(RuntimeError, match="'bits'"):
+                kvq.quantize(x, bits, -1, False)
+            with pytest.raises(ValueError, match="'bits'"):
+                kvq.QuantSpec(bits, -1, False)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32):
+        if dtype in kvq.DTYPES:
+            kvq.quantize(x.to(dtype), 2, -1, False)
+        else:
+            with pytest.raises(RuntimeError, match="'x'.*must be"):
+                kvq.quantize(x.to(dtype), 2, -1, False)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_input_errors(device):
     x = torch.randn(1, 2, 64, 128, device=device)
@@ -256,7 +282,7 @@ def _quantize_both(x, bits, G, check_finite=True):
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("D", [32, 64, 128, 256])
+@pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("G", [8, 16, 24, 32, 64, 128, 256, 512])
 def test_cuda_per_channel_equals_cpu(dtype, bits, D, G):
     x = make_kv(3, 1, 3 * G, D, dtype)
@@ -268,7 +294,7 @@ def test_cuda_per_channel_equals_cpu(dtype, bits, D, G):
 
 @requires_cuda
 @pytest.mark.parametrize("T", [1, 17, 255, 256, 1025, 4096, 5137])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", BITS)
 def test_cuda_kcvt_equals_cpu(T, D, dtype, bits):
@@ -316,7 +342,7 @@ def test_cuda_per_channel_constant_groups(dtype, bits):
 @requires_cuda
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", BITS)
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 def test_cuda_per_channel_dequantize_unaligned_scale(dtype, bits, D):
     """scale / zero views not 16-byte aligned take the warp-per-row dequantize kernel."""
     x = make_kv(2, 2, 96, D, dtype)
@@ -360,7 +386,7 @@ def _per_token_both(x, bits, G, check_finite=True):
 
 @requires_cuda
 @pytest.mark.parametrize("T", [1, 17, 255, 1025])
-@pytest.mark.parametrize("D", [32, 64, 128, 256])
+@pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", BITS)
 def test_cuda_per_token_exact(T, D, dtype, bits):
@@ -483,7 +509,7 @@ def test_cuda_kcvt_cluster_chunk_edges(T):
     and the largest chunk that fits (6400: 800 tokens, 200 KB)."""
     x = make_kv(2, 2, T, 128, torch.float16)
     x[1, 0, T // 2, 3] = 40.0
-    for bits in (2, 4, 8):
+    for bits in BITS:
         _quantize_both(x, bits, -1)
 
 

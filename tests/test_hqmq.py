@@ -6,14 +6,13 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
+from conftest import DTYPES, HEAD_DIMS, MMA_HEAD_DIMS
 from kvquant_ext import hqmq_secondary, hqmq_seed, med3_threshold
 from reference import hqmq_reference as ref
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-HEAD_DIMS = [64, 128, 256]
 TOKENS = [0, 1, 17]
 CONFIGS = [(96, 4), (192, 6)]  # (S, radius_bits) of the two presets
 
@@ -90,7 +89,7 @@ def test_kernel_closed_form_nearest_unit_equals_brute_force(dtype):
 
 
 @pytest.mark.parametrize("S,rb", CONFIGS + [(7, 3)])
-@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 def test_chosen_codeword_is_best_of_all(S, rb, D):
     H = 2
     x = make_x(2, H, 9, D, torch.float32)
@@ -126,7 +125,7 @@ def test_radius_codes_and_scale_match_reference(S, rb, dtype):
 
 
 @pytest.mark.parametrize("S,rb", CONFIGS)
-@pytest.mark.parametrize("D", HEAD_DIMS)
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", TOKENS)
 def test_decode_matches_reference(S, rb, D, dtype, T):
@@ -387,7 +386,7 @@ def test_opcheck_encode_with_outliers():
 # ----------------------------------------------------------------------------- CUDA
 @requires_cuda
 @pytest.mark.parametrize("S,rb", CONFIGS + [(1, 1), (2048, 8)])
-@pytest.mark.parametrize("D", [32] + HEAD_DIMS)
+@pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", TOKENS + [200])
 def test_cuda_matches_cpu(S, rb, D, dtype, T):
@@ -457,7 +456,7 @@ def near_tie_x(sec, T, D, seed=0):
 
 @requires_cuda
 @pytest.mark.parametrize("S", TC_SECONDARY)
-@pytest.mark.parametrize("D", [32] + HEAD_DIMS)
+@pytest.mark.parametrize("D", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("med3", [False, True])
 def test_cuda_codes_equal_cpu_exactly(S, D, dtype, med3):
@@ -475,7 +474,7 @@ def test_cuda_codes_equal_cpu_exactly(S, D, dtype, med3):
 
 @requires_cuda
 @pytest.mark.parametrize("S", [1, 33, 96, 192, 512, 513])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sec_scale", [1.0, 3.0, 1e-3])
 def test_cuda_codes_equal_cpu_on_near_ties(S, D, dtype, sec_scale):

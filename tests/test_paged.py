@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvquant_ext as kvq
-from conftest import CUDA, requires_cuda
+from conftest import CUDA, MMA_HEAD_DIMS, requires_cuda
 from reference.quant_reference import dequantize_ref, quantize_ref, unpack_ref
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
@@ -132,7 +132,7 @@ def test_stored_kv_equals_pagewise_quantization(preset, L, chunks):
 # ----------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("g", [1, 4, 8, 16])
 def test_paged_attention_mixed_lengths(device, preset, D, g):
     """One launch over sequences of lengths 0, 1, P - 1, P, P + 1, 1000 (odd prompt/decode mix)."""

@@ -2,6 +2,7 @@
 // the instantiation that will run), launch of HqmqDecodeAttentionKernel and the shared
 // split-combine kernel.  Kernels: include/kvq/attention/decode_attention_hqmq.cuh.
 #include "kvq/attention/decode_attention_hqmq.cuh"
+#include "kvq/build_config.h"
 #include "kvq/cuda_api.h"
 #include "kvq/quant/group_quant.cuh"
 
@@ -74,7 +75,7 @@ static cudaError_t launch_hqmq(const HqmqAttnParams& p, const SplitPlan& plan, c
 }
 
 cudaError_t decode_attention_hqmq_cuda(const HqmqAttnParams& p, DTypeId dtype, cudaStream_t stream) {
-  if (!(p.D == 32 || p.D == 64 || p.D == 128 || p.D == 256)) return cudaErrorInvalidValue;
+  if (!supported_head_dim(p.D)) return cudaErrorInvalidValue;
   const int fmt = hqmq_launch_fmt(p);
   const HqmqSmem sm = hqmq_smem_plan(p, fmt);
   const SplitPlan plan = hqmq_plan(p, sm, dtype, fmt);

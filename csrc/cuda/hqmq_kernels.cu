@@ -13,7 +13,7 @@ namespace hqmq {
       case 64: { constexpr int CPT = 1, LPT = 16; return __VA_ARGS__(); }          \
       case 128: { constexpr int CPT = 1, LPT = 32; return __VA_ARGS__(); }         \
       case 256: { constexpr int CPT = 2, LPT = 32; return __VA_ARGS__(); }         \
-      default: KVQ_THROW("kvq: hqmq head dim must be 32, 64, 128 or 256, got ", (head_dim)); \
+      default: KVQ_THROW("kvq: hqmq head dim must be ", kHeadDimsText, ", got ", (head_dim)); \
     }                                                                              \
   }()
 

@@ -11,7 +11,14 @@ import importlib
 
 import torch  # noqa: F401  (must be imported before the extension library)
 
+try:  # written by the build: the extension's flags and the argument sets its ops accept
+    from ._build_config import BITS, HEAD_DIMS, MMA_HEAD_DIMS
+    from ._build_config import WITH_CUDA as built_with_cuda
+except ImportError as e:  # pragma: no cover  (a source tree that was never built)
+    raise ImportError("kvquant_ext is not built (kvquant_ext/_build_config.py is missing); "
+                      "install it with: pip install --no-build-isolation -e .") from e
 from . import _ops as ops  # noqa: F401  (registers torch.ops.kvq.* and their fakes)
+from ._ops import FLOAT_DTYPES as DTYPES  # the floating input dtypes, as torch dtypes
 from ._ops import (dequantize, gear_compress, gear_decompress, hqmq_decode, hqmq_encode,
                    lowrank_power_iter, outlier_count, outlier_index_dtype, outlier_select,
                    quantize)
@@ -25,11 +32,6 @@ from .config import (PRESETS, CompressionConfig, FP16Config, FlexGenConfig, GEAR
                      QuantSpec, get_config, register_format, register_preset)
 from .gear import GEARCompressed, GEARStream
 from .hqmq import HQMQCompressed, HQMQStream, hqmq_secondary, hqmq_seed, med3_threshold
-
-try:  # written by the build (absent in a source tree that was never built)
-    from ._build_config import WITH_CUDA as built_with_cuda
-except ImportError:  # pragma: no cover
-    built_with_cuda = False
 
 __version__ = "0.1.0"
 
@@ -57,6 +59,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "BITS", "DTYPES", "HEAD_DIMS", "MMA_HEAD_DIMS",
     "HQMQCompressed", "HQMQConfig", "HQMQStream", "hqmq_decode", "hqmq_encode", "hqmq_secondary",
     "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
     "GroupQuantBase", "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PagedKVCache",

@@ -10,8 +10,11 @@ import math
 import torch
 
 from . import _C  # noqa: F401  (loads the library that registers torch.ops.kvq.*)
+from ._build_config import DTYPES
 
 __all__ = ["quantize", "dequantize"]
+
+FLOAT_DTYPES = tuple(getattr(torch, name) for name in DTYPES)  # the floating inputs of every op
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, per_channel: bool,

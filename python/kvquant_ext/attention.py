@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from . import _ops
+from ._build_config import DTYPES_TEXT, MMA_HEAD_DIMS
 from .gear import GEARStream
 from .hqmq import HQMQStream
 from .streams import FullPrecisionStream, _QuantStream
@@ -56,8 +57,8 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
         raise ValueError(f"argument 'q' has {Hq} heads, not a multiple of the cache's {H} KV heads")
     if q.device != kst.device:
         raise ValueError(f"argument 'q' is on {q.device} but the cache is on {kst.device}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"argument 'q' must be float16, bfloat16 or float32, got {q.dtype}")
+    if q.dtype not in _ops.FLOAT_DTYPES:
+        raise TypeError(f"argument 'q' must be {DTYPES_TEXT}, got {q.dtype}")
     T = kst.seq_len
     if attn_mask is not None:
         if attn_mask.shape != (B, T):
@@ -80,7 +81,7 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
         # on CUDA the tensor-core kernels take <= 8 query heads per KV head; more in one call
         # run the CUDA-core kernel, ~25x slower (H200, g = 16, B = 8, L = 32k, kivi-2:
         # 6206 us), so such calls go in passes of 8 heads, each reading the layer once
-        mg = _MAX_GROUP_TC if qc.is_cuda and D in (64, 128, 256) and kst.spec.bits == vst.spec.bits else _MAX_GROUP
+        mg = _MAX_GROUP_TC if qc.is_cuda and D in MMA_HEAD_DIMS and kst.spec.bits == vst.spec.bits else _MAX_GROUP
         out = _split_heads(run, qc, H, g, mg)
     elif path == "gear":
         kc, ks, kz, kr, kg = kst.attention_operands()
@@ -165,7 +166,7 @@ def _gear_fused_ok(kst, vst, q) -> bool:
     if q.device.type != "cuda":
         return True
     D = q.shape[-1]
-    if not (D in (64, 128, 256) and cfg.group_size % 32 == 0 and kst.T0 % 32 == 0
+    if not (D in MMA_HEAD_DIMS and cfg.group_size % 32 == 0 and kst.T0 % 32 == 0
             and cfg.buffer_length % 32 == 0):
         return False
     # the kernel copies codes, scales, factor rows, tile offsets and value outliers with

@@ -9,6 +9,7 @@ from typing import Dict, Optional
 import torch
 
 from . import _ops
+from ._build_config import DTYPES_TEXT
 from .config import QuantSpec
 
 
@@ -16,8 +17,8 @@ def check_cache_tensor(x, name: str = "x") -> None:
     """Validate a ``[B, H, T, D]`` floating tensor (clear errors naming the argument)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"argument '{name}' must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dtype not in _ops.FLOAT_DTYPES:
+        raise TypeError(f"argument '{name}' must be {DTYPES_TEXT}, got {x.dtype}")
     if x.dim() != 4:
         raise ValueError(f"argument '{name}' must have shape [B, H, T, D], got {tuple(x.shape)}")
 

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Dict, Optional, Type
 
+from ._build_config import BITS, BITS_TEXT
+
 ROLES = ("key", "value")
 
 _REGISTRY: Dict[str, Type["CompressionConfig"]] = {}
@@ -75,8 +77,8 @@ class QuantSpec:
     per_channel: bool
 
     def __post_init__(self):
-        if self.bits not in (2, 4, 8):
-            raise ValueError(f"argument 'bits' must be 2, 4 or 8, got {self.bits}")
+        if self.bits not in BITS:
+            raise ValueError(f"argument 'bits' must be {BITS_TEXT}, got {self.bits}")
         if not (self.group_size == -1 or self.group_size > 0):
             raise ValueError(f"argument 'group_size' must be positive or -1, got {self.group_size}")
         if not self.per_channel and self.group_size != -1:

@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _ops
+from ._build_config import DTYPES_TEXT, HEAD_DIMS, HEAD_DIMS_TEXT
 from .config import CompressionConfig, FP16Config, GroupQuantBase, QuantSpec, get_config
 
 __all__ = ["PagedKVCache"]
@@ -105,12 +106,12 @@ class PagedKVCache:
                         ("max_seqs", max_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"argument '{name}' must be a positive int, got {v!r}")
-        if head_dim not in (32, 64, 128, 256):
-            raise ValueError(f"argument 'head_dim' must be 32, 64, 128 or 256, got {head_dim!r}")
+        if head_dim not in HEAD_DIMS:
+            raise ValueError(f"argument 'head_dim' must be {HEAD_DIMS_TEXT}, got {head_dim!r}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 32 or page_size & (page_size - 1):
             raise ValueError(f"argument 'page_size' must be a power of two >= 32, got {page_size!r}")
-        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise TypeError(f"argument 'dtype' must be float16, bfloat16 or float32, got {dtype}")
+        if dtype not in _ops.FLOAT_DTYPES:
+            raise TypeError(f"argument 'dtype' must be {DTYPES_TEXT}, got {dtype}")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())

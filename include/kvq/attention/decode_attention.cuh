@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "kvq/attention/decode_attention.h"
+#include "kvq/build_config.h"
 
 namespace kvq {
 namespace attention {
@@ -1722,7 +1723,7 @@ inline bool aligned16(const void* ptr, int64_t sb, int64_t sh, int64_t elem) {
 /// aligned rows for its cp.async tile copies.)
 inline bool decode_attention_mma_ok(const DecodeAttnParams& p) {
   const int64_t D = p.D;
-  if (!(D == 64 || D == 128 || D == 256)) return false;
+  if (!supported_mma_head_dim(D)) return false;
   if (p.k.bits != p.v.bits) return false;
   if (p.Hq / p.H > 8) return false;  // the query heads of a KV head are the N = 8 mma columns
   const bool k_ok = p.k.per_channel ? (p.k.group % kTile == 0) : (p.k.group >= D / 4 && D % p.k.group == 0);

@@ -90,7 +90,7 @@ struct HqmqSmem {
 
 /// \brief Can the tensor-core path run (before the shared-memory check)?
 inline bool hqmq_mma_layout_ok(const HqmqAttnParams& p) {
-  if (!(p.D == 32 || p.D == 64 || p.D == 128 || p.D == 256)) return false;
+  if (!supported_head_dim(p.D)) return false;
   if (p.Hq / p.H > 8) return false;
   for (const HqmqKV* s : {&p.k, &p.v}) {
     if (!aligned16(s->codes, s->codes_sb, s->codes_sh, 4) || !aligned16(s->scale, s->scale_sb, s->scale_sh, 2))

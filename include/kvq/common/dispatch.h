@@ -1,6 +1,7 @@
 // Runtime -> compile-time dispatch.  Every switch has a default branch that throws.
 // Order of nesting: dtype -> bits -> group/size -> head dim.  Torch-free.
 #pragma once
+#include "kvq/build_config.h"
 #include "kvq/common/exception.h"
 #include "kvq/common/half.h"
 
@@ -25,11 +26,11 @@ enum class DTypeId : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
       case 2: { constexpr int BITS = 2; return __VA_ARGS__(); }                  \
       case 4: { constexpr int BITS = 4; return __VA_ARGS__(); }                  \
       case 8: { constexpr int BITS = 8; return __VA_ARGS__(); }                  \
-      default: KVQ_THROW("kvq: bits must be 2, 4 or 8, got ", (bits));         \
+      default: KVQ_THROW("kvq: bits must be ", ::kvq::kBitsText, ", got ", (bits)); \
     }                                                                            \
   }()
 
-/// Head dim D -> elements per lane EPL = D / 32 (D in {32, 64, 128, 256}).
+/// Head dim D -> elements per lane EPL = D / 32 (D in kHeadDims).
 #define KVQ_DISPATCH_HEAD_DIM_EPL(head_dim, EPL, ...)                            \
   [&] {                                                                          \
     switch (head_dim) {                                                          \
@@ -37,13 +38,13 @@ enum class DTypeId : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
       case 64: { constexpr int EPL = 2; return __VA_ARGS__(); }                  \
       case 128: { constexpr int EPL = 4; return __VA_ARGS__(); }                 \
       case 256: { constexpr int EPL = 8; return __VA_ARGS__(); }                 \
-      default: KVQ_THROW("kvq: head dim must be 32, 64, 128 or 256, got ", (head_dim)); \
+      default: KVQ_THROW("kvq: head dim must be ", ::kvq::kHeadDimsText, ", got ", (head_dim)); \
     }                                                                            \
   }()
 
 }  // namespace kvq
 
-/// `return EXPR(D)` for head dim `head_dim` in {32, 64, 128, 256}, `return EXPR(0)` otherwise
+/// `return EXPR(D)` for head dim `head_dim` in kHeadDims, `return EXPR(0)` otherwise
 /// (the caller's EXPR turns 0 into its error value); a statement, for host entry points.
 #define KVQ_SWITCH_HEAD_DIM_OR_0(head_dim, EXPR) \
   switch (head_dim) {                            \

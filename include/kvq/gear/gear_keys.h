@@ -27,6 +27,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kvq/build_config.h"
+
 namespace kvq {
 namespace gear {
 
@@ -64,7 +66,7 @@ inline GearKeysPlan gear_keys_plan(int64_t N, int64_t T, int64_t D, int64_t G, i
   // threads); the selection then needs no group alignment: tpt = min_tpt
   if (G < T && G % kGearKeysQuantTokens == 0) {
     const int64_t qt = G / kGearKeysQuantTokens * (D / 8);
-    if (qt >= 32 && qt <= 512 && qt % 32 == 0 && (D == 32 || D == 64 || D == 128 || D == 256)) {
+    if (qt >= 32 && qt <= 512 && qt % 32 == 0 && supported_head_dim(D)) {
       pl.split = true;
       pl.qthreads = (int)qt;
     }
