@@ -510,6 +510,10 @@ def cmd_eval(args) -> int:
                          "--chunk >= 1 and --threads >= 0")
     device = _device(args.device)
     dtype = _dtype(args.dtype, device)
+    # explicit --model / --text first, so that their errors do not depend on the defaults being installed
+    for spec, resolve in ((args.model, resolve_model), (args.text, resolve_text)):
+        if spec is not None:
+            resolve(spec)
     resolve_model(args.model)
     resolve_text(args.text)
     if args.threads:
