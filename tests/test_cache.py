@@ -279,3 +279,30 @@ def test_reset_keeps_the_layer_index(preset):
             assert torch.equal(getattr(cache.layers[2], role).secondary, sec)
     with pytest.raises(IndexError, match="'layer_idx'"):
         cache.reset(3)
+
+
+def test_update_refuses_a_value_unlike_its_key():
+    """A value with another head dim, dtype or device than its key is refused at update (before
+    anything is appended), not later inside decode attention."""
+    k = make_kv(1, 2, 40, 128, torch.float16)
+    for preset in ("kivi-2", "fp16", "hqmq-3.79"):
+        cache = kvq.KVCache(preset)  # a fresh layer: nothing to compare against but the key
+        with pytest.raises(ValueError, match="'value'"):
+            cache.update(k, make_kv(1, 2, 40, 64, torch.float16), 0)
+        with pytest.raises(TypeError, match="'value'"):
+            cache.update(k, k.float(), 0)
+        assert cache.get_seq_length(0) == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_in_the_cache_dtype(device):
+    """An fp32 cache queried with an fp16 q attends in fp32 and answers in fp16 (the CUDA ops
+    require q in the cache dtype: the cast happens in kvq.decode_attention)."""
+    k = make_kv(1, 2, 300, 64, torch.float32).to(device)
+    q = torch.randn(1, 8, 64, device=device)
+    for preset in ("kivi-2", "int4-per-token", "gear-2", "hqmq-3.79", "fp16"):
+        cache = kvq.KVCache(preset)
+        cache.update(k, k * 0.5, 0)
+        out = kvq.decode_attention(q.half(), cache, 0)
+        assert out.dtype == torch.float16
+        torch.testing.assert_close(out, kvq.decode_attention(q.half().float(), cache, 0).half())

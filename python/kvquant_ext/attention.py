@@ -59,6 +59,8 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
         raise ValueError(f"argument 'q' is on {q.device} but the cache is on {kst.device}")
     if q.dtype not in _ops.FLOAT_DTYPES:
         raise TypeError(f"argument 'q' must be {DTYPES_TEXT}, got {q.dtype}")
+    if q.dtype != kst.dtype:  # attend in the cache's dtype; the output comes back in q's
+        return decode_attention(q.to(kst.dtype), cache, layer_idx, scale, attn_mask=attn_mask).to(q.dtype)
     T = kst.seq_len
     if attn_mask is not None:
         if attn_mask.shape != (B, T):

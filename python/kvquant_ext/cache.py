@@ -65,9 +65,13 @@ class KVCache:
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
         """Append ``key``/``value`` tokens ``[B, H, t, D]`` to layer ``layer_idx``."""
-        if key.dim() == 4 and value.dim() == 4 and key.shape[:3] != value.shape[:3]:
-            raise ValueError(f"arguments 'key' {tuple(key.shape)} and 'value' {tuple(value.shape)} "
-                             "must agree in [B, H, T]")
+        if isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor) and key.dim() == 4 and value.dim() == 4:
+            if key.shape != value.shape:
+                raise ValueError(f"arguments 'key' {tuple(key.shape)} and 'value' {tuple(value.shape)} "
+                                 "must have the same shape [B, H, T, D]")
+            if key.dtype != value.dtype or key.device != value.device:
+                raise TypeError(f"argument 'value' ({value.dtype} on {value.device}) must have the dtype and "
+                                f"device of 'key' ({key.dtype} on {key.device})")
         layer = self._ensure(layer_idx)
         # validate both before appending either, so a bad value cannot leave the keys ahead
         layer.key.validate(key, "key")
