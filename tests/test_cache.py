@@ -196,7 +196,7 @@ def test_update_is_atomic(preset):
     bad[0, 1, 2, 5] = float("nan")
     with pytest.raises(ValueError, match="'value' contains NaN"):
         cache.update(k[:, :, :3], bad, 0)
-    with pytest.raises(ValueError, match="'value' has shape"):
+    with pytest.raises(ValueError, match="'value'"):
         cache.update(k[:, :, :3], make_kv(1, 2, 3, 32, torch.float16), 0)
     assert cache.layers[0].key.seq_len == cache.layers[0].value.seq_len == 40
 
