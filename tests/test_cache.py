@@ -306,3 +306,39 @@ def test_decode_attention_in_the_cache_dtype(device):
         out = kvq.decode_attention(q.half(), cache, 0)
         assert out.dtype == torch.float16
         torch.testing.assert_close(out, kvq.decode_attention(q.half().float(), cache, 0).half())
+
+
+@pytest.mark.parametrize("preset", ["fp16", "kivi-2", "gear-2", "hqmq-3.79"])
+def test_load_state_dict_refuses_missing_or_truncated_tensors(preset):
+    """A state with a tensor missing or truncated is refused when it is loaded (ValueError) and
+    leaves the cache as it was, instead of failing or answering non-finite values in decode."""
+    src = kvq.KVCache(preset)
+    k, v = make_kv(1, 2, 300, 64, torch.float16), make_kv(1, 2, 300, 64, torch.float16)
+    src.update(k, v, 0)
+    src.update(k[:, :, :5], v[:, :, :5], 0)
+    state = src.state_dict()
+    names = [n for n, t in state.items() if n.startswith("layers.0.key.") and isinstance(t, torch.Tensor)]
+    target = kvq.KVCache(preset)
+    target.update(k[:, :, :7], v[:, :, :7], 0)
+    before = target.dequantize(0)
+    for name in names:
+        t = state[name]
+        bad_states = [{n: x for n, x in state.items() if n != name}]
+        if t.dim() >= 3 and t.shape[2] > 1:
+            bad_states.append({**state, name: t[:, :, :t.shape[2] // 2]})
+        for bad in bad_states:
+            try:
+                target.load_state_dict(bad)
+            except ValueError:
+                pass
+            else:  # accepted: then it must be the cache it claims to be (nothing silently wrong)
+                K, V = target.dequantize(0)
+                assert K.shape == V.shape and torch.isfinite(K).all() and torch.isfinite(V).all(), name
+                target = kvq.KVCache(preset)
+                target.update(k[:, :, :7], v[:, :, :7], 0)
+                before = target.dequantize(0)
+                continue
+            after = target.dequantize(0)
+            assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]), name
+    target.load_state_dict(state)
+    assert torch.equal(target.dequantize(0)[0], src.dequantize(0)[0])

@@ -135,11 +135,33 @@ class KVCache:
         cfg = CompressionConfig.from_dict(state["config"])
         if cfg != self.config:
             raise ValueError(f"state_dict was saved with config {cfg}, this cache has {self.config}")
-        self.layers = []
-        for i in range(int(state["num_layers"])):
-            layer = self._ensure(i)
-            for role in ("key", "value"):
-                prefix = f"layers.{i}.{role}."
-                sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-                if sub:
-                    getattr(layer, role).load_state_dict(sub)
+        saved, self.layers = self.layers, []
+        i = 0
+        try:
+            for i in range(int(state["num_layers"])):
+                layer = self._ensure(i)
+                for role in ("key", "value"):
+                    prefix = f"layers.{i}.{role}."
+                    sub = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+                    if sub:
+                        getattr(layer, role).load_state_dict(sub)
+                self._check_loaded(i, layer)
+        except Exception as e:  # refuse the whole state; the cache stays as it was
+            self.layers = saved
+            if isinstance(e, ValueError):
+                raise
+            raise ValueError(f"argument 'state': layer {i} does not hold a valid cache ({type(e).__name__}: {e})") from e
+
+    @staticmethod
+    def _check_loaded(i: int, layer: "LayerCache") -> None:
+        """A loaded layer must be a cache this class could have built: keys and values of the same
+        length and shape, and each role readable back (every stored tensor present and consistent)."""
+        k, v = layer.key, layer.value
+        if k.seq_len != v.seq_len:
+            raise ValueError(f"argument 'state': layer {i} keys hold {k.seq_len} tokens but values hold {v.seq_len}")
+        if k.seq_len == 0:
+            return
+        K, V = k.dequantize(), v.dequantize()
+        if K is None or V is None or K.shape != V.shape or K.shape[2] != k.seq_len:
+            raise ValueError(f"argument 'state': layer {i} keys {None if K is None else tuple(K.shape)} and values "
+                             f"{None if V is None else tuple(V.shape)} do not form a cache of {k.seq_len} tokens")
