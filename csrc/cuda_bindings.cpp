@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cuda(
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   const auto dt = dtype_id(c.x.scalar_type());
   KVQ_CUDA_CALL("hqmq_encode", hqmq::hqmq_encode_cuda(c.params, dt, stream));
-  if (check_finite) raise_status("hqmq_encode", "x", c.status.item<int32_t>());
+  if (check_finite) raise_status("hqmq_encode", "x", c.status.item<int32_t>(), kHqmqOutOfRange);
   if (hqmq_prepare_records(c) > 0)  // syncs once for the record count (Med3x only)
     KVQ_CUDA_CALL("hqmq_encode", hqmq::hqmq_write_records_cuda(c.params, dt, stream));
   return {c.codes, c.scale, c.outliers};

@@ -7,13 +7,11 @@
 
 namespace kvq {
 
-void raise_status(const char* op, const char* arg, int32_t status) {
+void raise_status(const char* op, const char* arg, int32_t status, const char* out_of_range) {
   KVQ_CHECK(!(status & kStatusNonFinite), "kvq.", op, ": argument '", arg,
               "' contains NaN or Inf; compress finite tensors only (pass check_finite=False to "
               "skip this check, in which case a non-finite entry spoils its own group)");
-  KVQ_CHECK(!(status & kStatusOutOfRange), "kvq.", op, ": argument '", arg,
-              "' has entries with magnitude above 65504, which fp16 scales and zero points "
-              "cannot represent");
+  KVQ_CHECK(!(status & kStatusOutOfRange), "kvq.", op, ": argument '", arg, "' ", out_of_range);
 }
 
 static void check_head_dim(const char* op, const char* arg, int64_t D, int64_t bits) {

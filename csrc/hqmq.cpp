@@ -171,7 +171,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cpu(
       });
     });
   });
-  if (check_finite) raise_status("hqmq_encode", "x", c.status.item<int32_t>());
+  if (check_finite) raise_status("hqmq_encode", "x", c.status.item<int32_t>(), kHqmqOutOfRange);
   if (hqmq_prepare_records(c) > 0) {
     translate_errors([&] {
       KVQ_DISPATCH_DTYPE(dt, DType, [&] {

@@ -97,7 +97,14 @@ inline int64_t leading_numel(const at::Tensor& t, int keep) {
 }
 
 /// \brief Raise the user-facing error for a kernel status flag (host value).
-void raise_status(const char* op, const char* arg, int32_t status);
+/// `out_of_range`: what kStatusOutOfRange means for the op (default: group quantization's).
+void raise_status(const char* op, const char* arg, int32_t status,
+                  const char* out_of_range = "has entries with magnitude above 65504, which fp16 scales and zero "
+                                             "points cannot represent");
+/// kStatusOutOfRange of the HQMQ encoders.
+constexpr const char* kHqmqOutOfRange =
+    "has an entry above 65504 or a non-outlier 4-element chunk whose norm exceeds 65504, which the fp16 per-token "
+    "radius scale cannot represent (Med3x outliers, e.g. hqmq-5, store such chunks exactly)";
 
 /// \brief Turn a CUDA-free kvq::Error into a torch error.
 template <typename F>

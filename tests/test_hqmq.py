@@ -557,3 +557,25 @@ def test_torch_compile_smoke():
 
     f = torch.compile(roundtrip, backend="aot_eager")
     assert torch.equal(f(x, sec, thr), roundtrip(x, sec, thr))
+
+
+def test_magnitude_limit_is_the_chunk_norm():
+    """Without Med3x the bound is the fp16 radius scale, i.e. a chunk norm <= 65504: a token whose
+    chunk norm exceeds it is refused with a message saying so (the cache used to store NaN), while
+    entries up to that norm are accepted; hqmq-5 stores such chunks exactly."""
+    x = torch.randn(1, 2, 40, 64, dtype=torch.float16)
+    x[0, 0, 3, 4:8] = 40000.0  # entries < 65504, chunk norm 80000
+    cache = kvq.KVCache("hqmq-3.79")
+    with pytest.raises(ValueError, match="4-element chunks with norm above 65504"):
+        cache.update(x, x, 0)
+    assert cache.get_seq_length(0) == 0
+    with pytest.raises(RuntimeError, match="chunk whose norm exceeds 65504"):
+        kvq.compress(x, "hqmq-3.79", "key")
+    ok = torch.randn(1, 2, 40, 64, dtype=torch.float16)
+    ok[0, 0, 3, 5] = 60000.0  # one large entry: chunk norm below the limit
+    cache.update(ok, ok, 0)
+    assert torch.isfinite(cache.dequantize(0)[0]).all()
+    c5 = kvq.KVCache("hqmq-5")
+    c5.update(x, x, 0)
+    K, _ = c5.dequantize(0)
+    assert torch.equal(K[0, 0, 3, 4:8], x[0, 0, 3, 4:8])

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .config import CompressionConfig, get_config
+from .streams import max_abs_of
 
 
 class LayerCache:
@@ -17,13 +18,6 @@ class LayerCache:
     def __init__(self, config: CompressionConfig, layer_idx: int):
         self.key = config.new_stream("key", check_finite=False, layer_idx=layer_idx)
         self.value = config.new_stream("value", check_finite=False, layer_idx=layer_idx)
-
-
-def _max_abs(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as an fp32 scalar tensor (NaN if ``t`` has a NaN; 0 if it is empty)."""
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=t.device)
-    return torch.linalg.vector_norm(t, float("inf")).float()
 
 
 class KVCache:
@@ -77,24 +71,25 @@ class KVCache:
         layer.key.validate(key, "key")
         layer.value.validate(value, "value")
         if self.check_finite:
-            self._check_values(key, value, layer.key.max_abs)
+            self._check_values(key, value, layer)
         layer.key.append(key, "key")
         layer.value.append(value, "value")
 
     @staticmethod
-    def _check_values(key: torch.Tensor, value: torch.Tensor, limit: float) -> None:
-        """Raise on NaN/Inf or magnitudes above ``limit`` in key or value: one reduction
-        over both and one host sync (the failure path alone looks at each separately)."""
-        m = float(torch.maximum(_max_abs(key), _max_abs(value)))
-        if math.isfinite(m) and m <= limit:
+    def _check_values(key: torch.Tensor, value: torch.Tensor, layer: "LayerCache") -> None:
+        """Raise on NaN/Inf in key or value, or on a magnitude its stream cannot store (max |x|,
+        or HQMQ's chunk norms): one reduction over both and one host sync (the failure path alone
+        looks at each separately)."""
+        ks, vs = layer.key, layer.value
+        m = float(torch.maximum(ks.magnitude(key) / ks.max_abs, vs.magnitude(value) / vs.max_abs))
+        if math.isfinite(m) and m <= 1.0:
             return
-        for name, t in (("key", key), ("value", value)):
-            a = float(_max_abs(t))
-            if not math.isfinite(a):
+        for name, t, st in (("key", key, ks), ("value", value, vs)):
+            if not math.isfinite(float(max_abs_of(t))):
                 raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
-        name = "key" if float(_max_abs(key)) > limit else "value"
-        raise ValueError(f"argument '{name}' has entries with magnitude above {limit:g}, which "
-                         "this cache's fp16 scales cannot represent (cache check_finite=True)")
+        name, st = ("key", ks) if float(ks.magnitude(key)) > ks.max_abs else ("value", vs)
+        raise ValueError(f"argument '{name}' has {st.magnitude_what} above {st.max_abs:g}, which this cache's "
+                         "fp16 scales cannot represent (cache check_finite=True)")
 
     def dequantize(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Full ``(K, V)`` of a layer, ``[B, H, T, D]`` each, as the cache holds them."""

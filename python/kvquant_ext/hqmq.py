@@ -114,6 +114,19 @@ class HQMQStream(Stream):
     records of the tiles it touches (the last, partial tile and the new ones) and rewrites
     their offsets; the index costs 64 bits per (tile, row) and is counted in ``nbytes``."""
 
+    def magnitude(self, x: torch.Tensor) -> torch.Tensor:
+        """Without Med3x outliers every chunk's radius is stored against the token's fp16 radius
+        scale, so the bound is on the largest 4-element chunk norm; with them a chunk above the
+        threshold is stored exactly (fp16 values), so on the entries."""
+        if self.config.outlier_factor is not None or x.numel() == 0:
+            return super().magnitude(x)
+        return torch.linalg.vector_norm(x.float().unflatten(-1, (-1, 4)), dim=-1).amax()
+
+    @property
+    def magnitude_what(self) -> str:
+        return ("entries with magnitude" if self.config.outlier_factor is not None
+                else "4-element chunks with norm")
+
     def __init__(self, config, role: str, *, layer_idx: int = 0, check_finite: bool = True):
         super().__init__()
         hqmq_seed(config.seed, layer_idx, role)  # validates role and layer_idx

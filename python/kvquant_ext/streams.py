@@ -52,6 +52,13 @@ class Growable:
             self.append(t)
 
 
+def max_abs_of(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as an fp32 scalar tensor (NaN if ``t`` has a NaN; 0 if it is empty)."""
+    if t.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=t.device)
+    return torch.linalg.vector_norm(t, float("inf")).float()
+
+
 class Stream:
     """One role of one layer: ``append``, ``dequantize``, ``seq_len``, ``nbytes``, state.
 
@@ -60,6 +67,12 @@ class Stream:
     NaN/Inf, once per update."""
 
     max_abs: float = 65504.0
+    #: what ``magnitude`` measures, for the error message
+    magnitude_what: str = "entries with magnitude"
+
+    def magnitude(self, x: torch.Tensor) -> torch.Tensor:
+        """The quantity ``max_abs`` bounds, over ``x`` (fp32 scalar; NaN if ``x`` has one): max |x|."""
+        return max_abs_of(x)
 
     def __init__(self):
         self.dtype: Optional[torch.dtype] = None
