@@ -357,3 +357,41 @@ def test_one_plan_per_step_shared_by_layers(monkeypatch):
             ref, _ = attention_ref(q[i], K[0], V[0], D ** -0.5)
             assert (out[i].float() - ref).norm() / ref.norm() < 1e-3
     assert cache.seq_len(ids[0], 0) == 303 and cache.seq_len(ids[0], 1) == 302
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", ["kivi-2", "int4-per-token"])
+def test_recent_window_keeps_the_newest_tokens_exact(device, preset):
+    """recent_window = W: the newest W .. W + P - 1 tokens stay in full-precision pages (a page is
+    compressed once W newer tokens follow it), older pages hold the page-wise quantization;
+    attention over the mix matches the reference and nbytes counts the window."""
+    P, W, H, D = 128, 256, 2, 64
+    cache = kvq.PagedKVCache(preset, num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=4096, page_size=P,
+                             recent_window=W, device=device, max_seqs=4)
+    lens = [1, 300, 640, 1000]
+    ids, data = [], []
+    for L in lens:
+        sid = cache.add_sequence()
+        k, v = make_kv(1, H, L, D, torch.float16, device), make_kv(1, H, L, D, torch.float16, device)
+        cache.append(0, [sid], k[:, :, :L - 3], v[:, :, :L - 3])
+        for t in range(L - 3, L):  # the last tokens one by one
+            cache.append(0, [sid], k[:, :, t:t + 1], v[:, :, t:t + 1])
+        ids.append(sid)
+        data.append((k, v))
+    nbytes = 0
+    for sid, L, (k, v) in zip(ids, lens, data):
+        tc = max(0, L - W) // P * P
+        K, V = cache.dequantize(0, sid)
+        assert torch.equal(K[:, :, tc:], k[:, :, tc:]) and torch.equal(V[:, :, tc:], v[:, :, tc:])
+        assert L - tc >= min(L, W)
+        eK, eV = expected_kv(preset, k[:, :, :tc].cpu(), v[:, :, :tc].cpu(), P)
+        torch.testing.assert_close(K[:, :, :tc].cpu(), eK, rtol=0, atol=2e-3 * float(k.abs().max()))
+        nbytes += (L - tc) * 2 * H * D * 2
+    (kb, kg, kpc), (vb, vg, vpc) = page_spec(preset, P, D)
+    page = sum(H * (P * D * b // 8 + 2 * 2 * ((P // g) * D if pc else P * (D // g)))
+               for b, g, pc in ((kb, kg, kpc), (vb, vg, vpc)))
+    nbytes += sum(max(0, L - W) // P for L in lens) * page
+    assert cache.nbytes == nbytes
+    check_attention(cache, ids, D, 4 * H, torch.float16, device, 5e-3 if device == "cuda" else 1e-3)
+    with pytest.raises(ValueError, match="recent_window"):
+        kvq.PagedKVCache(preset, num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=256, recent_window=100)

@@ -89,12 +89,15 @@ class PagedKVCache:
     dtype, device : of the full-precision pages and the queries.
     page_size : P, a power of two >= 32 (default 128; a multiple of the key group size).
     max_seqs : live sequences at once.
+    recent_window : W, a multiple of P: the most recent W to W + P - 1 tokens of every sequence
+        stay in full precision (a page is compressed once W newer tokens follow it; 0: when it
+        fills).  Counted in ``nbytes``.
     check_finite : raise on NaN/Inf in appended tokens (one check per append).
     """
 
     def __init__(self, config, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
                  dtype: torch.dtype = torch.float16, device="cpu", page_size: int = 128, max_seqs: int = 256,
-                 check_finite: bool = True):
+                 recent_window: int = 0, check_finite: bool = True):
         if isinstance(config, str):
             config = get_config(config)
         if not isinstance(config, CompressionConfig):
@@ -110,6 +113,10 @@ class PagedKVCache:
             raise ValueError(f"argument 'head_dim' must be {HEAD_DIMS_TEXT}, got {head_dim!r}")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 32 or page_size & (page_size - 1):
             raise ValueError(f"argument 'page_size' must be a power of two >= 32, got {page_size!r}")
+        if (isinstance(recent_window, bool) or not isinstance(recent_window, int) or recent_window < 0
+                or recent_window % page_size):
+            raise ValueError(f"argument 'recent_window' must be a non-negative multiple of page_size={page_size}, "
+                             f"got {recent_window!r}")
         if dtype not in _ops.FLOAT_DTYPES:
             raise TypeError(f"argument 'dtype' must be {DTYPES_TEXT}, got {dtype}")
         device = torch.device(device)
@@ -118,6 +125,7 @@ class PagedKVCache:
         self.config, self.dtype, self.device = config, dtype, device
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.page_size, self.max_seqs, self.check_finite = page_size, max_seqs, check_finite
+        self.recent_window = recent_window
         P = page_size
         self.kspec = self.vspec = None
         if isinstance(config, GroupQuantBase):
@@ -125,7 +133,7 @@ class PagedKVCache:
             self.vspec = _paged_spec(config.value_spec(), P, head_dim)
             n_comp = 1 + -(-max_tokens // P)
             self.staging_pages = max(8, min(64, -(-max_tokens // P)))
-            n_fp = 1 + 2 * max_seqs + self.staging_pages
+            n_fp = 1 + (2 + recent_window // P) * max_seqs + self.staging_pages
         else:
             n_comp = 0
             self.staging_pages = 0
@@ -209,6 +217,10 @@ class PagedKVCache:
             self._append_round(layer, seq_ids, k[:, :, a:a + step], v[:, :, a:a + step])
         layer.history = hash((layer.history, tuple(seq_ids), T))
 
+    def _comp_pages_at(self, length: int) -> int:
+        """Compressed pages of a sequence of `length` tokens: the whole pages older than the window."""
+        return max(0, length - self.recent_window) // self.page_size
+
     def _reserve(self, layer: _Layer, seq_ids, T: int) -> None:
         """Raise (changing nothing) if the pools cannot take T more tokens of each sequence."""
         P = self.page_size
@@ -217,7 +229,7 @@ class PagedKVCache:
             if need > len(layer.free_fp):
                 raise RuntimeError(f"PagedKVCache is full: {need} more pages needed, {len(layer.free_fp)} free")
             return
-        need = sum((layer.seqs[s].length + T) // P - len(layer.seqs[s].comp_pages) for s in seq_ids)
+        need = sum(self._comp_pages_at(layer.seqs[s].length + T) - len(layer.seqs[s].comp_pages) for s in seq_ids)
         if need > len(layer.free_comp):
             raise RuntimeError(f"PagedKVCache is full: {need} more compressed pages needed, "
                                f"{len(layer.free_comp)} free (max_tokens too small)")
@@ -238,7 +250,7 @@ class PagedKVCache:
         for s in seq_ids:
             st = layer.seqs[s]
             end = st.length + T
-            nfull = end // P - len(st.comp_pages)
+            nfull = self._comp_pages_at(end) - len(st.comp_pages)
             if self.kspec is not None and nfull > 0:
                 for j in range(nfull):
                     src.append(st.fp_pages[j])
@@ -260,7 +272,7 @@ class PagedKVCache:
         for s in seq_ids:
             st = layer.seqs[s]
             st.length += T
-            nfull = st.length // P - len(st.comp_pages)
+            nfull = self._comp_pages_at(st.length) - len(st.comp_pages)
             if self.kspec is not None and nfull > 0:
                 layer.free_fp.extend(reversed(st.fp_pages[:nfull]))
                 st.fp_pages = st.fp_pages[nfull:]
