@@ -334,23 +334,26 @@ class PagedKVCache:
         if scale is None:
             scale = self.head_dim ** -0.5
         bits = self.kspec.bits if self.kspec is not None else 2
-        g = q.shape[1] // self.num_kv_heads
-        H = self.num_kv_heads
+        kpc = self.kspec.per_channel if self.kspec else True
+        vpc = self.vspec.per_channel if self.vspec else False
+        g, H, n = q.shape[1] // self.num_kv_heads, self.num_kv_heads, len(seq_ids)
+
+        def run(qs):
+            return _ops.paged_decode_attention(qs, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp,
+                                               work, bits, kpc, vpc, float(scale))
+
+        if g <= 8:  # one call (the tensor cores take up to 8 query heads per KV head)
+            out, lse = run(q)
+            return (out, lse) if return_lse else out
         outs, lses = [], []
-        # the kernels take up to 8 query heads per KV head on the tensor cores: passes of 8
-        step = g if g <= 8 else 8
-        for j in range(0, g, step):
-            qs = q.view(len(seq_ids), H, g, self.head_dim)[:, :, j:j + step].reshape(len(seq_ids), H * step, -1)
-            o, l = _ops.paged_decode_attention(qs, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp,
-                                               work, bits, self.kspec.per_channel if self.kspec else True,
-                                               self.vspec.per_channel if self.vspec else False, float(scale))
-            outs.append(o.view(len(seq_ids), H, step, -1))
-            lses.append(l.view(len(seq_ids), H, step))
-        out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)).reshape(q.shape)
+        for j in range(0, g, 8):  # passes of 8 query heads
+            o, l = run(q.view(n, H, g, self.head_dim)[:, :, j:j + 8].reshape(n, H * 8, -1))
+            outs.append(o.view(n, H, 8, -1))
+            lses.append(l.view(n, H, 8))
+        out = torch.cat(outs, dim=2).reshape(q.shape)
         if not return_lse:
             return out
-        lse = (lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)).reshape(q.shape[:2])
-        return out, lse
+        return out, torch.cat(lses, dim=2).reshape(q.shape[:2])
 
     # ------------------------------------------------------------------ inspection
     def dequantize(self, layer_idx: int, seq_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
