@@ -342,3 +342,13 @@ def test_load_state_dict_refuses_missing_or_truncated_tensors(preset):
             assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]), name
     target.load_state_dict(state)
     assert torch.equal(target.dequantize(0)[0], src.dequantize(0)[0])
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "gear-2"])
+def test_compress_decompress_compiles_fullgraph(preset):
+    """kvq.compress(...).decompress() traces into one graph (no data-dependent Python branching)
+    and gives the eager result."""
+    torch._dynamo.reset()
+    x = make_kv(1, 2, 128, 64, torch.float32)
+    f = torch.compile(lambda t: kvq.compress(t, preset, "key", check_finite=False).decompress(), fullgraph=True)
+    torch.testing.assert_close(f(x), kvq.compress(x, preset, "key").decompress(), rtol=0, atol=0)
