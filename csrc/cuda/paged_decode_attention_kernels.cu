@@ -10,8 +10,7 @@ namespace kvq {
 namespace attention {
 
 #define KVQ_DECLARE_PAGED_MMA(B)                                                                   \
-  cudaError_t paged_decode_attention_mma_b##B(const DecodeAttnParams&, DTypeId, cudaStream_t);     \
-  int paged_decode_attention_mma_occupancy_b##B(const DecodeAttnParams&, DTypeId);
+  cudaError_t paged_decode_attention_mma_b##B(const DecodeAttnParams&, DTypeId, cudaStream_t);
 KVQ_DECLARE_PAGED_MMA(2)
 KVQ_DECLARE_PAGED_MMA(4)
 KVQ_DECLARE_PAGED_MMA(8)
@@ -29,16 +28,6 @@ cudaError_t paged_decode_plan_cuda(const int32_t* seq_lens, const int32_t* comp_
                                    int64_t max_items, int32_t* work, cudaStream_t stream) {
   if (max_items < paged_min_items(num_seqs)) return cudaErrorInvalidValue;
   return LaunchPagedDecodePlan(seq_lens, comp_lens, num_seqs, max_items, work, stream);
-}
-
-int paged_decode_attention_occupancy(const DecodeAttnParams& p, DTypeId dtype) {
-  if (paged_decode_attention_mma_ok(p, dtype)) {
-    KVQ_SWITCH_CODE_BITS(p.k.bits, paged_decode_attention_mma_occupancy, 0, p, dtype)
-  }
-  const int g = (int)(p.Hq / p.H);
-#define KVQ_OCC(D) (D == 0 ? 0 : PagedDecodeAttentionOccupancy<DType, (D == 0 ? 32 : D), 2, true, false>(g))
-  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> int { KVQ_SWITCH_HEAD_DIM_OR_0(p.D, KVQ_OCC) });
-#undef KVQ_OCC
 }
 
 cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream) {

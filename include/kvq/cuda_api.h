@@ -122,8 +122,6 @@ cudaError_t paged_decode_plan_cuda(const int32_t* seq_lens, const int32_t* comp_
 /// \brief Does the tensor-core path read these pages?  (fp16 / bf16, a compressed pool, and
 /// decode_attention_mma_ok's formats and alignment; pages of whole 32-token tiles.)
 bool paged_decode_attention_mma_ok(const DecodeAttnParams& p, DTypeId dtype);
-/// \brief Resident CTAs per SM of the split kernel that will run p (to size max_items).
-int paged_decode_attention_occupancy(const DecodeAttnParams& p, DTypeId dtype);
 /// \brief Paged decode attention (p.paged set; p.ws holds Hq * max_items * (D + 2) floats).
 cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream);
 }  // namespace attention

@@ -221,18 +221,5 @@ cudaError_t LaunchPagedDecodeAttention(const DecodeAttnParams& p, cudaStream_t s
                                        dim3(D / 4 > 32 ? D / 4 : 32), 0, stream, ws, work, out, lse, n, Hq, mi);
 }
 
-/// \brief Resident CTAs per SM of a paged split kernel instantiation (0 on error).
-template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0>
-int PagedDecodeAttentionOccupancy(int g) {
-  auto kernel = PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV>;
-  const size_t smem = paged_decode_smem_bytes<DType, D, BITS, KPC, MMA>(g);
-  if (smem > 48 * 1024 &&
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
-    return 0;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWarps * 32, smem) != cudaSuccess) return 0;
-  return n;
-}
-
 }  // namespace attention
 }  // namespace kvq
