@@ -56,14 +56,18 @@ SCRIPT = textwrap.dedent(r"""
 
     before = switches()
     assert before, "no pool worker threads"
+    calls = 0
     for name, c in caches.items():
         for _ in range(40):  # kivi-2-r32 quantizes a value per step and a key block per 32
             c.update(x(1), x(1), 0)
+            calls += 1
             if name not in unfused:
                 kvq.decode_attention(q, c, layer_idx=0)
+                calls += 1
     codes, scale, zero = kvq.quantize(one, 2, 32, False)
     kvq.dequantize(codes, scale, zero, 2, False, torch.float16)
     print("small", woken(before))
+    print("calls", calls + 2)
 
     before = switches()
     kvq.quantize(torch.randn(4, 8, 4096, 128, generator=g).half(), 2, 32, True)
@@ -79,4 +83,9 @@ def test_small_cpu_calls_do_not_wake_the_thread_pool():
     assert out.returncode == 0, out.stderr
     counts = dict(line.split() for line in out.stdout.splitlines())
     assert int(counts["large"]) > 0, "control: a large quantize must wake the workers"
-    assert int(counts["small"]) == 0, f"decode-step calls woke the pool {counts['small']} times"
+    # A call that used the pool would wake every worker; a loaded machine may also wake an idle
+    # worker once or twice on its own, so the bound is one wake per 100 calls, far below the
+    # one per call (times the workers) of a parallel region.
+    calls, small = int(counts["calls"]), int(counts["small"])
+    assert calls > 500
+    assert small * 100 < calls, f"{calls} decode-step calls woke the pool {small} times"
