@@ -10,7 +10,7 @@ import kvquant_ext as kvq
 from kvquant_ext import cli
 
 SCHEMA_FIELDS = ("bits_per_element", "kv_bytes", "key_rel_error", "value_rel_error", "ppl",
-                 "agreement")
+                 "kld", "top1", "agreement")
 WORDS = ("the of and to in a is was for on as with by he at from his an were are which this "
          "be that it not or had have first one their its new after but who they has been her "
          "two she all other also time there into during more can would city river year war "
@@ -157,8 +157,11 @@ def test_eval_json_schema(tiny_model_dir, tmp_path, capsys):
     for name, r in doc["results"].items():
         for f in SCHEMA_FIELDS:
             assert isinstance(r[f], (int, float)), (name, f)
-        assert 0.0 <= r["agreement"] <= 1.0
+        assert 0.0 <= r["agreement"] <= 1.0 and 0.0 <= r["top1"] <= 1.0 and r["kld"] >= -1e-6
     fp = doc["results"]["fp16"]
+    # the fp16 preset keeps the model's own K/V: its distribution is the reference's
+    assert fp["kld"] < 1e-6 and fp["top1"] == 1.0
+    assert fp["ppl"] == pytest.approx(doc["reference_ppl"], rel=1e-5)
     assert fp["bits_per_element"] == 16 and fp["key_rel_error"] == 0 and fp["agreement"] == 1.0
     assert fp["first_divergence"] is None and fp["kv_bytes"] == fp["kv_bytes_fp16"]
     assert fp["kv_bytes"] == 2 * 2 * 2 * 152 * 64 * 2  # layers * (K, V) * H * T * D * 2 bytes
@@ -166,6 +169,7 @@ def test_eval_json_schema(tiny_model_dir, tmp_path, capsys):
     assert k2["bits_per_element"] < k4["bits_per_element"] < 16
     assert 0 < k4["key_rel_error"] < k2["key_rel_error"]
     assert k4["ppl"] == pytest.approx(fp["ppl"], rel=0.05)
+    assert k2["kld"] > k4["kld"] > 1e-7  # fewer bits move the distribution further
     if "--plot" in args:
         assert ppath.stat().st_size > 1000
 
@@ -179,6 +183,100 @@ def test_eval_chunked_decode_matches_token_by_token_for_fp16(tiny_model_dir, tmp
                   "--chunk", str(chunk), "--json", str(p), "--quiet"])
         res[chunk] = json.loads(p.read_text())["results"]["fp16"]["ppl"]
     assert res[1] == pytest.approx(res[5], rel=1e-4)
+
+
+def test_eval_prefix_only_scores_the_prompt_compressed_alone(tiny_model_dir, tmp_path):
+    p = tmp_path / "prefix.json"
+    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt"),
+                     "--prefill", "70", "--continuation", "40", "--generate", "0", "--chunk", "4",
+                     "--presets", "kivi-2,int2-per-token", "--prefix-only", "--json", str(p), "--quiet"]) == 0
+    doc = json.loads(p.read_text())
+    assert doc["prefix_only"] is True
+    fp, k2, i2 = (doc["results"][n] for n in ("fp16", "kivi-2", "int2-per-token"))
+    for r in (fp, k2, i2):
+        assert {"ppl_prefix_only", "kld_prefix_only", "top1_prefix_only"} <= set(r)
+    assert fp["kld_prefix_only"] < 1e-6 and fp["ppl_prefix_only"] == pytest.approx(fp["ppl"], rel=1e-5)
+    # int2-per-token quantizes every token on arrival: streaming also quantizes the 40 scored tokens,
+    # which the prefix-only run keeps exact
+    assert 1e-7 < i2["kld_prefix_only"] < i2["kld"]
+
+
+def test_prefix_only_cache_holds_the_prompt_as_the_preset_stores_it(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = torch.randint(2, model.config.vocab_size, (1, 160))
+    kvs = cli.reference_kv(model, ids)
+    cache = cli.prefix_only_cache(model, kvs, 151, kvq.get_config("kivi-2"))
+    ref = kvq.KVCache("kivi-2")
+    for i, (k, v) in enumerate(kvs):
+        ref.update(k[:, :, :150].contiguous(), v[:, :, :150].contiguous(), i)
+        kd, vd = ref.dequantize(i)
+        assert torch.equal(cache.layers[i].keys, kd) and torch.equal(cache.layers[i].values, vd)
+        # KIVI's rule: 128 keys quantized, the last 22 in full precision
+        assert not torch.equal(kd[:, :, :128], k[:, :, :128])
+        assert torch.equal(kd[:, :, 128:], k[:, :, 128:150])
+
+
+class _CharTokenizer:
+    """One token per character: makes token positions readable as text positions."""
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_retrieval_prompts_hide_the_key_at_the_asked_depth():
+    tok = _CharTokenizer()
+    hay = "".join(WORDS) * 40
+    prompts = cli.retrieval_prompts(tok, hay, [600, 900], [0.0, 0.5, 1.0], trials=2, seed=3)
+    assert len(prompts) == 12 and len({p["key"] for p in prompts}) == 12
+    for p in prompts:
+        text = tok.decode(p["ids"][0].tolist())
+        assert p["ids"].shape == (1, p["length"])
+        assert 5 <= len(p["key"]) <= 7 and p["key"].isdigit() and p["key"][0] != "0"
+        needle = " " + cli.NEEDLE.format(key=p["key"]) + " "
+        assert text.endswith(cli.QUESTION) and text.count(needle) == 1
+        n = p["length"] - len(needle) - len(cli.QUESTION)  # haystack characters
+        assert text.index(needle) == round(p["depth"] * n)
+        assert text.replace(needle, "").startswith(hay[:n - 1])
+    assert cli._answer(tok, torch.tensor([ord(c) for c in " 31415. Remember"])) == "31415"
+    assert cli._answer(tok, torch.tensor([ord(c) for c in " none"])) == ""
+    with pytest.raises(cli.UsageError, match="--lengths 50"):
+        cli.retrieval_prompts(tok, hay, [50], [0.5], trials=1)
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["--task", "speed"], ["--task", "'speed'"]),
+    (["--task", "retrieval", "--lengths", "1k"], ["--lengths", "'1k'"]),
+    (["--task", "retrieval", "--depths", "1.5"], ["--depths", "'1.5'"]),
+    (["--task", "retrieval", "--trials", "0"], ["--trials"]),
+])
+def test_eval_retrieval_arguments_are_checked(argv, names, capsys):
+    assert cli.main(["eval", *argv]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in names), err
+
+
+def test_eval_retrieval_json_schema(tiny_model_dir, tmp_path, capsys):
+    p = tmp_path / "retrieval.json"
+    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt"),
+                     "--task", "all", "--prefill", "40", "--continuation", "8", "--generate", "0",
+                     "--lengths", "120,200", "--depths", "0.25,0.75", "--trials", "2",
+                     "--presets", "kivi-2", "--json", str(p), "--quiet"]) == 0
+    assert "| reference |" in capsys.readouterr().out
+    doc = json.loads(p.read_text())
+    assert doc["tasks"] == ["quality", "retrieval"]
+    assert doc["retrieval"]["lengths"] == [120, 200] and doc["retrieval"]["trials"] == 2
+    for name in ("fp16", "kivi-2"):
+        r = doc["results"][name]
+        assert "kld" in r  # the quality task ran too
+        rr = r["retrieval"]
+        assert rr["trials"] == 8 and 0.0 <= rr["accuracy"] <= 1.0
+        assert set(rr["by_length"]) == {"120", "200"} and set(rr["by_depth"]) == {"0.25", "0.75"}
+        assert sum(c["trials"] for c in rr["cells"]) == 8
+        assert rr["accuracy"] == sum(c["correct"] for c in rr["cells"]) / 8
 
 
 def _has(mod):

@@ -116,6 +116,39 @@ def test_decode_reads_the_compressed_cache_through_decode_attention(monkeypatch)
     assert cache.kv.layers[0].key.quantized_len == 128  # block-flushed keys really compressed
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_load_prefill_equals_the_models_own_prefill(family, monkeypatch):
+    """A cache filled by load_prefill from a DynamicCache's layers holds what the model's own
+    prefill stores, and its decode steps run through decode_attention (no fallback warning)."""
+    model = tiny_model(family)
+    ids = torch.randint(1, VOCAB, (2, 150))
+    past = DynamicCache(config=model.config)
+    fwd(model, ids[:, :-1], past)
+    calls = []
+    real_decode = kh.decode_attention
+    monkeypatch.setattr(kh, "decode_attention",
+                        lambda *a, **k: calls.append(1) or real_decode(*a, **k))
+    own = kh.QuantizedCache("kivi-2", model.config)
+    fwd(model, ids[:, :-1], own)
+    loaded = kh.QuantizedCache("kivi-2", model.config)
+    loaded.load_prefill(past)
+    for i, layer in enumerate(own.layers):
+        if layer.kind == "compressed":
+            a, b = own.kv.dequantize(i), loaded.kv.dequantize(i)
+            assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-5)
+        else:
+            assert torch.allclose(layer.inner.keys, loaded.layers[i].inner.keys, atol=1e-5)
+    assert loaded.get_seq_length() == own.get_seq_length() == 149
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "does not use the kvq attention" fallback
+        out_own, out_loaded = gen(model, ids, own, n=5), gen(model, ids, loaded, n=5)
+    assert torch.equal(out_own, out_loaded)
+    n_compressed = sum(l.kind == "compressed" for l in own.layers)
+    assert len(calls) == 2 * 5 * n_compressed  # both caches: every step of every compressed layer
+    with pytest.raises(ValueError, match="already holds"):
+        loaded.load_prefill(past)
+
+
 def test_kivi4_logits_stay_close_and_cache_shrinks():
     model = tiny_model(num_hidden_layers=3)
     ids = torch.randint(1, VOCAB, (1, 300))

