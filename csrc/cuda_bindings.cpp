@@ -189,7 +189,8 @@ at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS) {
   c10::cuda::CUDAGuard guard(q.device());
   HqmqAttentionCall c = prepare_decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr,
                                                       v_codes, v_scale, v_secondary, v_outliers, v_outlier_ptr,
-                                                      mask, k_radius_bits, v_radius_bits, scale);
+                                                      mask, k_radius_bits, v_radius_bits, scale, k_residual,
+                                                      v_residual);
   auto& p = c.params;
   const auto dt = dtype_id(c.q.scalar_type());
   p.splits = attention::decode_attention_hqmq_splits(p, dt);

@@ -1,5 +1,6 @@
 // kvq.decode_attention_hqmq: decode attention over an HQMQ cache layer (packed codes, fp16
-// radius scales, Med3x records + their tile index, per role).  Argument checks, the CPU
+// radius scales, Med3x records + their tile index, per role, and the optional full-precision
+// recent window).  Argument checks, the CPU
 // implementation, and (with CUDA) the call of the fused kernel in cuda_bindings.cpp.
 // Built with -ffp-contract=off like hqmq.cpp so the CPU twin decodes exactly like
 // kvq.hqmq_decode.
@@ -73,12 +74,37 @@ static attention::HqmqKV make_hqmq_role(const char* role, const at::Tensor& q, c
   return s;
 }
 
+/// The recent window of one role: [B, H, Tr, D] in q's dtype, inner [Tr, D] contiguous (an
+/// absent or empty one holds no tokens).  Returns the tensor the params point into.
+static at::Tensor attach_residual(const char* role, const at::Tensor& q, const std::optional<at::Tensor>& res,
+                                  attention::HqmqKV& s, int64_t B, int64_t H, int64_t D) {
+  if (!res.has_value() || !res->defined()) return at::Tensor();
+  const std::string rn = std::string(role) + "_residual";
+  const at::Tensor& r = *res;
+  CHECK_DIM(kOp, r, rn.c_str(), 4);
+  CHECK_SAME_DEVICE(kOp, q, "q", r, rn.c_str());
+  KVQ_CHECK_ARG(r.scalar_type() == q.scalar_type(), kOp, rn.c_str(), "must have the dtype of 'q' (", q.scalar_type(),
+                "), got ", r.scalar_type());
+  KVQ_CHECK_ARG(r.size(0) == B && r.size(1) == H && r.size(3) == D, kOp, rn.c_str(), "must be [B=", B, ", H=", H,
+                ", Tr, D=", D, "], got ", r.sizes());
+  KVQ_CHECK_ARG(r.numel() == 0 || (r.stride(3) == 1 && r.stride(2) == D), kOp, rn.c_str(),
+                "must be contiguous in its last two dims");
+  s.residual = r.numel() ? r.data_ptr() : nullptr;
+  s.res_sb = r.stride(0), s.res_sh = r.stride(1);
+  return r;
+}
+
+static int64_t residual_tokens(const std::optional<at::Tensor>& res) {
+  return res.has_value() && res->defined() ? res->size(2) : 0;
+}
+
 HqmqAttentionCall prepare_decode_attention_hqmq(
     const at::Tensor& q_in, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& k_secondary,
     const at::Tensor& k_outliers, const at::Tensor& k_outlier_ptr, const at::Tensor& v_codes,
     const at::Tensor& v_scale, const at::Tensor& v_secondary, const at::Tensor& v_outliers,
     const at::Tensor& v_outlier_ptr, const std::optional<at::Tensor>& mask, int64_t k_radius_bits,
-    int64_t v_radius_bits, double scale) {
+    int64_t v_radius_bits, double scale, const std::optional<at::Tensor>& k_residual,
+    const std::optional<at::Tensor>& v_residual) {
   CHECK_FLOATING(kOp, q_in, "q");
   CHECK_DIM(kOp, q_in, "q", 3);
   HqmqAttentionCall c;
@@ -93,8 +119,15 @@ HqmqAttentionCall prepare_decode_attention_hqmq(
   c.k_ptr = k_outlier_ptr.contiguous(), c.v_ptr = v_outlier_ptr.contiguous();
   p.k = make_hqmq_role("k", c.q, k_codes, k_scale, c.k_sec, c.k_rec, c.k_ptr, k_radius_bits, B, H, D);
   p.v = make_hqmq_role("v", c.q, v_codes, v_scale, c.v_sec, c.v_rec, c.v_ptr, v_radius_bits, B, H, D);
-  const int64_t T = k_codes.size(2);
-  KVQ_CHECK(T == v_codes.size(2), "kvq.", kOp, ": keys hold ", T, " tokens but values hold ", v_codes.size(2));
+  const int64_t Tc = k_codes.size(2);
+  KVQ_CHECK(Tc == v_codes.size(2), "kvq.", kOp, ": keys hold ", Tc, " encoded tokens but values hold ",
+            v_codes.size(2));
+  c.k_res = attach_residual("k", c.q, k_residual, p.k, B, H, D);
+  c.v_res = attach_residual("v", c.q, v_residual, p.v, B, H, D);
+  const int64_t Tr = residual_tokens(k_residual);
+  KVQ_CHECK(Tr == residual_tokens(v_residual), "kvq.", kOp, ": the key residual holds ", Tr,
+            " tokens but the value residual holds ", residual_tokens(v_residual));
+  const int64_t T = Tc + Tr;
   KVQ_CHECK(T > 0, "kvq.", kOp, ": the cache layer is empty (T = 0)");
   p.k.secondary = c.k_sec.data_ptr<float>(), p.v.secondary = c.v_sec.data_ptr<float>();
   p.k.outliers = c.k_rec.numel() ? c.k_rec.data_ptr<int32_t>() : nullptr;
@@ -102,13 +135,15 @@ HqmqAttentionCall prepare_decode_attention_hqmq(
   p.k.outlier_ptr = c.k_ptr.numel() ? c.k_ptr.data_ptr<int64_t>() : nullptr;
   p.v.outlier_ptr = c.v_ptr.numel() ? c.v_ptr.data_ptr<int64_t>() : nullptr;
   finish_decode_attention_call(kOp, c, mask, B, H, Hq, D, T, scale);
+  p.Tc = Tc;
   return c;
 }
 
 at::Tensor decode_attention_hqmq_cpu(KVQ_DECODE_ATTN_HQMQ_ARGS) {
   HqmqAttentionCall c = prepare_decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr,
                                                       v_codes, v_scale, v_secondary, v_outliers, v_outlier_ptr,
-                                                      mask, k_radius_bits, v_radius_bits, scale);
+                                                      mask, k_radius_bits, v_radius_bits, scale, k_residual,
+                                                      v_residual);
   const auto& p = c.params;
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(c.q.scalar_type()), DType, [&] {

@@ -223,7 +223,7 @@ void finish_decode_attention_call(const char* op, Call& c, const std::optional<a
 }
 
 struct HqmqAttentionCall {
-  at::Tensor q, out, mask, ws, k_sec, v_sec, k_rec, v_rec, k_ptr, v_ptr;
+  at::Tensor q, out, mask, ws, k_sec, v_sec, k_rec, v_rec, k_ptr, v_ptr, k_res, v_res;
   attention::HqmqAttnParams params;
 };
 #define KVQ_DECODE_ATTN_HQMQ_ARGS                                                               \
@@ -231,7 +231,8 @@ struct HqmqAttentionCall {
       const at::Tensor &k_secondary, const at::Tensor &k_outliers, const at::Tensor &k_outlier_ptr, \
       const at::Tensor &v_codes, const at::Tensor &v_scale, const at::Tensor &v_secondary,      \
       const at::Tensor &v_outliers, const at::Tensor &v_outlier_ptr,                            \
-      const std::optional<at::Tensor>&mask, int64_t k_radius_bits, int64_t v_radius_bits, double scale
+      const std::optional<at::Tensor>&mask, int64_t k_radius_bits, int64_t v_radius_bits, double scale, \
+      const std::optional<at::Tensor>&k_residual, const std::optional<at::Tensor>&v_residual
 HqmqAttentionCall prepare_decode_attention_hqmq(KVQ_DECODE_ATTN_HQMQ_ARGS);
 at::Tensor decode_attention_hqmq_cpu(KVQ_DECODE_ATTN_HQMQ_ARGS);
 #ifdef KVQ_WITH_CUDA

@@ -61,11 +61,12 @@ TORCH_LIBRARY(kvq, m) {
         " Tensor[] k_gear, Tensor[] v_gear, int prefill_tokens, int block_tokens, float scale) -> Tensor");
   // HQMQ layer: per role codes int32 [B, H, T, W], scale fp16 [B, H, T], secondary fp32 [H, S, 4],
   // outliers int32 [M, 4] ordered by (t / 32, b * H + h), outlier_ptr int64 CSR over that key
-  // ([ceil(T/32) * B * H + 1], or empty without records).  See decode_attention_hqmq.h.
+  // ([ceil(T/32) * B * H + 1], or empty without records); residual [B, H, Tr, D] in q's dtype:
+  // the recent window, tokens T .. T + Tr - 1 in full precision.  See decode_attention_hqmq.h.
   m.def("decode_attention_hqmq(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_secondary,"
         " Tensor k_outliers, Tensor k_outlier_ptr, Tensor v_codes, Tensor v_scale, Tensor v_secondary,"
         " Tensor v_outliers, Tensor v_outlier_ptr, Tensor? mask, int k_radius_bits, int v_radius_bits,"
-        " float scale) -> Tensor");
+        " float scale, Tensor? k_residual=None, Tensor? v_residual=None) -> Tensor");
   // ---- end decode attention ops ----
   // ---- paged KV ops (layout: paged_decode_attention.h, docs/serving.md) ----
   // Pools [pages, H, P, ...]: full precision k_fp / v_fp [pages, H, P, D]; compressed codes int32

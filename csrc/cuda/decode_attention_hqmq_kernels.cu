@@ -52,7 +52,7 @@ static SplitPlan hqmq_plan(const HqmqAttnParams& p, const HqmqSmem& sm, DTypeId 
 #define KVQ_OCC(D, FMT) hqmq_occupancy<DType, D, FMT>(sm.total)
   const int occ = KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> int { KVQ_HQMQ_DISPATCH(KVQ_OCC) });
 #undef KVQ_OCC
-  const int64_t t_main = sm.mma ? (p.T / kTile) * kTile : 0;
+  const int64_t t_main = sm.mma ? (p.Tc / kTile) * kTile : 0;  // whole tiles of encoded tokens
   return split_plan(t_main, p.T, p.B * p.H, quant::num_sms(), occ, hqmq_warps(p.D));
 }
 

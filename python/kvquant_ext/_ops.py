@@ -286,7 +286,8 @@ __all__ += ["decode_attention_hqmq"]
 
 def decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr, v_codes,
                           v_scale, v_secondary, v_outliers, v_outlier_ptr, mask,
-                          k_radius_bits: int, v_radius_bits: int, scale: float) -> torch.Tensor:
+                          k_radius_bits: int, v_radius_bits: int, scale: float, k_residual=None,
+                          v_residual=None) -> torch.Tensor:
     """Decode attention over an HQMQ cache layer (fused kernel on CUDA, C++ twin on CPU).
 
     ``q`` ``[B, Hq, D]``; per role: ``codes`` int32 ``[B, H, T, W]`` and ``scale`` fp16
@@ -294,17 +295,20 @@ def decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlie
     ``secondary`` fp32 ``[H, S, 4]``, ``outliers`` int32 ``[M, 4]`` Med3x records ordered by
     ``(t // 32, b * H + h)`` and ``outlier_ptr`` int64 ``[ceil(T/32) * B * H + 1]``, the CSR
     offsets over that key (empty when ``M == 0``; see ``HQMQStream.attention_operands``);
-    ``mask`` ``[B, T]`` (nonzero = attend) or None.  Returns ``[B, Hq, D]`` in q's dtype.
+    ``k_residual`` / ``v_residual`` ``[B, H, Tr, D]`` in q's dtype (or None): the recent window,
+    tokens ``T .. T + Tr - 1`` in full precision after the ``T`` encoded ones;
+    ``mask`` ``[B, T + Tr]`` (nonzero = attend) or None.  Returns ``[B, Hq, D]`` in q's dtype.
     """
     return torch.ops.kvq.decode_attention_hqmq.default(
         q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr, v_codes, v_scale,
-        v_secondary, v_outliers, v_outlier_ptr, mask, k_radius_bits, v_radius_bits, scale)
+        v_secondary, v_outliers, v_outlier_ptr, mask, k_radius_bits, v_radius_bits, scale,
+        k_residual, v_residual)
 
 
 @torch.library.register_fake("kvq::decode_attention_hqmq")
 def _decode_attention_hqmq_fake(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr,
                                 v_codes, v_scale, v_secondary, v_outliers, v_outlier_ptr, mask,
-                                k_radius_bits, v_radius_bits, scale):
+                                k_radius_bits, v_radius_bits, scale, k_residual=None, v_residual=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

@@ -96,11 +96,12 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
 
         out = _split_heads(run, qc, H, g, _MAX_GROUP_TC)
     elif path == "hqmq":
-        operands = (*kst.attention_operands(), *vst.attention_operands())
+        kops, vops = kst.attention_operands(), vst.attention_operands()
+        kres, vres = kst.residual_operand(), vst.residual_operand()
 
         def run(qh):
-            return _ops.decode_attention_hqmq(qh, *operands, attn_mask, kst.config.radius_bits,
-                                              vst.config.radius_bits, float(scale))
+            return _ops.decode_attention_hqmq(qh, *kops, *vops, attn_mask, kst.config.radius_bits,
+                                              vst.config.radius_bits, float(scale), kres, vres)
 
         # on CUDA the tensor-core path takes <= 8 query heads per KV head
         out = _split_heads(run, qc, H, g, _MAX_GROUP_TC if qc.is_cuda else _MAX_GROUP)

@@ -88,13 +88,30 @@ class QuantSpec:
                     f"argument 'group_size' must be a power of two >= 8 for per-token grouping, got {g}")
 
 
+def _check_window(config: "CompressionConfig") -> None:
+    W = config.recent_window
+    if isinstance(W, bool) or not isinstance(W, int) or W < 0:
+        raise ValueError(f"argument 'recent_window' must be an int >= 0, got {W!r}")
+
+
 @dataclass(frozen=True)
 class CompressionConfig:
     """Base of every config: its dataclass fields are the whole config (``to_dict`` /
-    ``from_dict`` round-trip them); behaviour comes from the registered :class:`Format`."""
+    ``from_dict`` round-trip them); behaviour comes from the registered :class:`Format`.
+
+    ``recent_window`` (keyword only, every method): a streaming cache keeps the newest W
+    tokens of every layer in full precision; a token that ages out of the window enters the
+    method's own streaming rule (KIVI's residual and block flush, GEAR's buffer and blocks,
+    HQMQ's per-token encoding), so the method's own full-precision tokens come on top.  The
+    window's tokens are stored, and counted in ``nbytes``, in the cache dtype.  A whole block
+    compressed with :func:`kvquant_ext.compress` ignores it."""
 
     version: ClassVar[int] = 1
     method: ClassVar[str] = "base"
+    recent_window: int = dataclasses.field(default=0, kw_only=True)
+
+    def __post_init__(self):
+        _check_window(self)
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -147,6 +164,7 @@ class GroupQuantBase(CompressionConfig):
     method: ClassVar[str] = "group"
 
     def __post_init__(self):
+        _check_window(self)
         ks, vs = self.key_spec(), self.value_spec()  # validates
         R = self.residual_length
         if isinstance(R, bool) or not isinstance(R, int) or R < 0:
@@ -300,6 +318,7 @@ class HQMQConfig(CompressionConfig):
     method: ClassVar[str] = "hqmq"
 
     def __post_init__(self):
+        _check_window(self)
         s, b, f = self.secondary_size, self.radius_bits, self.outlier_factor
         if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 2048:
             raise ValueError(f"argument 'secondary_size' must be an int in 1..2048, got {s!r}")
@@ -350,6 +369,7 @@ class GEARConfig(CompressionConfig):
     method: ClassVar[str] = "gear"
 
     def __post_init__(self):
+        _check_window(self)
         if self.backbone not in ("kivi", "kcvt"):
             raise ValueError(f"argument 'backbone' must be 'kivi' or 'kcvt', got {self.backbone!r}")
         self.key_spec()  # validates bits / group_size

@@ -270,17 +270,20 @@ class GEARStream(Stream):
             raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
         full = x if self.buffer is None else torch.cat([self.buffer, x], dim=2)
         start = 0
+        W = self.config.recent_window
         if not self.prefilled and full.shape[2] > 0:
-            # Prefill: one block at the prefill rank (whole KIVI groups, both roles).
-            n = full.shape[2]
+            # Prefill: one block at the prefill rank (whole KIVI groups, both roles) over the
+            # tokens older than the recent window.
+            n = max(full.shape[2] - W, 0)
             n -= n % self.prefill_align
             if n:
                 self._compress_block(full[:, :, :n], self.config.rank)
             start = n
             self.prefilled = True
         else:
+            # a block of n_b tokens is compressed once all of them are older than the window
             nb = self.config.buffer_length
-            while full.shape[2] - start >= nb:
+            while full.shape[2] - start >= nb + W:
                 self._compress_block(full[:, :, start:start + nb], self.config.rank_decode)
                 start += nb
         self.buffer = full[:, :, start:].contiguous()

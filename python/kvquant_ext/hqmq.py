@@ -102,10 +102,11 @@ class HQMQCompressed(Compressed):
 
 
 class HQMQStream(Stream):
-    """HQMQ storage of one role of one layer: every token is encoded on arrival (no
-    full-precision buffer).  Med3x: the threshold is fixed from the first non-empty append
-    (the prefill) and reused for every later token; the secondary sets come from
-    ``hqmq_seed(config.seed, layer_idx, role)``.
+    """HQMQ storage of one role of one layer: every token is encoded once it is older than the
+    recent window (``config.recent_window`` newest tokens, kept in the full-precision
+    ``residual``; W = 0 encodes every token on arrival).  Med3x: the threshold is fixed from
+    the first non-empty append (the prefill, window included) and reused for every later
+    token; the secondary sets come from ``hqmq_seed(config.seed, layer_idx, role)``.
 
     Outlier index (Med3x only): the stream keeps its records ordered by the key
     ``(t // 32) * B * H + n`` (32-token tile, then row ``n = b * H + h``) and ``outlier_ptr``,
@@ -139,6 +140,11 @@ class HQMQStream(Stream):
         self.outlier_ptr = Growable()  # [1, 1, ceil(T / 32) * B * H + 1] int64 (Med3x only)
         self.secondary: Optional[torch.Tensor] = None
         self.threshold: Optional[torch.Tensor] = None
+        self.residual: Optional[torch.Tensor] = None  # the recent window [B, H, <= W, D]
+
+    @property
+    def residual_len(self) -> int:
+        return 0 if self.residual is None else self.residual.shape[2]
 
     def append(self, x, name="x"):
         self._check(x, name)
@@ -148,10 +154,19 @@ class HQMQStream(Stream):
                                             role=self.role, device=x.device)
         if x.shape[0] * x.shape[2] == 0:
             return
+        if self.check_finite and (self.config.outlier_factor is not None and self.threshold is None
+                                  or self.config.recent_window) and not torch.isfinite(x).all():
+            raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
         if self.config.outlier_factor is not None and self.threshold is None:
-            if self.check_finite and not torch.isfinite(x).all():
-                raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
             self.threshold = med3_threshold(x, self.config.outlier_factor)
+        W = self.config.recent_window
+        if W:
+            full = x if self.residual is None else torch.cat([self.residual, x], dim=2)
+            n = max(full.shape[2] - W, 0)
+            self.residual = full[:, :, n:].contiguous()
+            if n == 0:
+                return
+            x = full[:, :, :n]
         codes, scale, rec = _ops.hqmq_encode(x, self.secondary, self.config.radius_bits,
                                              self.threshold, check_finite=self.check_finite)
         L0 = self.codes.length
@@ -199,12 +214,24 @@ class HQMQStream(Stream):
     def attention_operands(self):
         """(codes, scale, secondary, outliers, outlier_ptr) for
         ``kvq.ops.decode_attention_hqmq`` (records in index order; ``outlier_ptr`` empty
-        without Med3x)."""
+        without Med3x); the recent window is :meth:`residual_operand`."""
         rec = self._records()
         ptr = self.outlier_ptr.view()
         if ptr is None:
             ptr = torch.empty((0,), dtype=torch.int64, device=self.device)
-        return self.codes.view(), self.scale.view(), self.secondary, rec, ptr.reshape(-1)
+        codes, scale = self.codes.view(), self.scale.view()
+        if codes is None:  # every token so far is in the window
+            B, H, D = self._shape
+            codes = torch.empty((B, H, 0, _ops.hqmq_words(D, self.config.secondary_size,
+                                                          self.config.radius_bits)),
+                                dtype=torch.int32, device=self.device)
+            scale = torch.empty((B, H, 0), dtype=torch.float16, device=self.device)
+        return codes, scale, self.secondary, rec, ptr.reshape(-1)
+
+    def residual_operand(self) -> torch.Tensor:
+        """The recent window ``[B, H, Tr, D]`` for ``kvq.ops.decode_attention_hqmq``'s
+        ``k_residual`` / ``v_residual`` (``Tr = 0`` when empty)."""
+        return self.residual if self.residual is not None else self._empty()
 
     def _records(self) -> torch.Tensor:
         v = self.outliers.view()
@@ -216,20 +243,24 @@ class HQMQStream(Stream):
     def dequantize(self):
         if self._shape is None:
             return None
-        if self.codes.length == 0:
-            return self._empty()
-        return _ops.hqmq_decode(self.codes.view(), self.scale.view(), self.secondary,
-                                self._records(), self.config.radius_bits, self._shape[2],
-                                self.dtype)
+        parts = []
+        if self.codes.length:
+            parts.append(_ops.hqmq_decode(self.codes.view(), self.scale.view(), self.secondary,
+                                          self._records(), self.config.radius_bits,
+                                          self._shape[2], self.dtype))
+        if self.residual_len:
+            parts.append(self.residual)
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0] if parts else self._empty()
 
     @property
     def seq_len(self):
-        return self.codes.length
+        return self.codes.length + self.residual_len
 
     def tensors(self):
         return {"codes": self.codes.view(), "scale": self.scale.view(),
                 "outliers": self.outliers.view(), "outlier_ptr": self.outlier_ptr.view(),
-                "secondary": self.secondary, "threshold": self.threshold}
+                "secondary": self.secondary, "threshold": self.threshold,
+                "residual": self.residual}
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         sd = super().state_dict()
@@ -245,6 +276,13 @@ class HQMQStream(Stream):
         self.outliers.reset(state.get("outliers"))
         self.secondary = state.get("secondary")
         self.threshold = state.get("threshold")
+        self.residual = state.get("residual")
+        if self.residual is not None:
+            self._check(self.residual, "state['residual']")
+            if self.residual.shape[2] > self.config.recent_window:
+                raise ValueError(f"argument 'state': the recent window holds {self.residual.shape[2]} "
+                                 f"tokens, more than this config's recent_window="
+                                 f"{self.config.recent_window}")
         if self.config.outlier_factor is not None:
             self._rebuild_index()  # (any stored "outlier_ptr" is recomputed, not trusted)
         if self.secondary is None:

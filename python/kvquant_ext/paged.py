@@ -91,17 +91,21 @@ class PagedKVCache:
     max_seqs : live sequences at once.
     recent_window : W, a multiple of P: the most recent W to W + P - 1 tokens of every sequence
         stay in full precision (a page is compressed once W newer tokens follow it; 0: when it
-        fills).  Counted in ``nbytes``.
+        fills).  Counted in ``nbytes``.  Default: the config's ``recent_window`` rounded up to
+        a multiple of P (pages hold whole P tokens, so at least the config's window stays
+        full precision).
     check_finite : raise on NaN/Inf in appended tokens (one check per append).
     """
 
     def __init__(self, config, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
                  dtype: torch.dtype = torch.float16, device="cpu", page_size: int = 128, max_seqs: int = 256,
-                 recent_window: int = 0, check_finite: bool = True):
+                 recent_window: Optional[int] = None, check_finite: bool = True):
         if isinstance(config, str):
             config = get_config(config)
         if not isinstance(config, CompressionConfig):
             raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, got {type(config).__name__}")
+        if recent_window is None and isinstance(page_size, int) and page_size > 0:
+            recent_window = -(-config.recent_window // page_size) * page_size
         if not isinstance(config, (FP16Config, GroupQuantBase)):
             raise NotImplementedError(f"PagedKVCache does not support {type(config).__name__} yet; supported: "
                                       "fp16 and the group-quantization presets (KIVI, KCVT, per-token INT, FlexGen)")

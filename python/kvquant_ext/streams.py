@@ -160,9 +160,11 @@ class FullPrecisionStream(Stream):
 class _QuantStream(Stream):
     """Shared storage of the group-quantized streams: packed store + fp residual."""
 
-    def __init__(self, spec: QuantSpec, residual_length: int, *, check_finite: bool = True):
+    def __init__(self, spec: QuantSpec, residual_length: int, *, recent_window: int = 0,
+                 check_finite: bool = True):
         super().__init__()
         self.spec, self.R, self.check_finite = spec, residual_length, check_finite
+        self.W = recent_window
         self.codes, self.scale, self.zero = Growable(), Growable(), Growable()
         self.residual: Optional[torch.Tensor] = None
 
@@ -238,27 +240,29 @@ class _QuantStream(Stream):
 
 class BlockFlushStream(_QuantStream):
     """KIVI keys (per-channel): tokens wait in a full-precision buffer; whenever it holds
-    R tokens they are quantized together (R/G groups per channel) and the buffer empties.
-    A prefill of T tokens quantizes the first T - T mod R and buffers the rest."""
+    R tokens older than the recent window (W newest tokens) they are quantized together (R/G
+    groups per channel).  A prefill of T tokens quantizes the first R * floor((T - W) / R)
+    and buffers the rest."""
 
     def append(self, x, name="x"):
         self._check(x, name)
         full = self._join_residual(x)
-        n = (full.shape[2] // self.R) * self.R
+        n = (max(full.shape[2] - self.W, 0) // self.R) * self.R
         if n:
             self._quantize_into_store(full[:, :, :n])
         self.residual = full[:, :, n:].contiguous()
 
 
 class FifoStream(_QuantStream):
-    """KIVI values (per-token): a FIFO of the last R tokens stays full precision; tokens
-    pushed out of it are quantized on their own (per-token needs no other tokens).
-    R = 0 quantizes every token on arrival (naive per-token INT-b)."""
+    """KIVI values (per-token): a FIFO of the last R + W tokens (residual and recent window)
+    stays full precision; tokens pushed out of it are quantized on their own (per-token
+    needs no other tokens).  R + W = 0 quantizes every token on arrival (naive per-token
+    INT-b)."""
 
     def append(self, x, name="x"):
         self._check(x, name)
         full = self._join_residual(x)
-        n = max(full.shape[2] - self.R, 0)
+        n = max(full.shape[2] - self.R - self.W, 0)
         if n:
             self._quantize_into_store(full[:, :, :n])
         self.residual = full[:, :, n:].contiguous()
@@ -284,8 +288,10 @@ def _group_stream(config, role, *, layer_idx=0, check_finite=True):
         # whole-axis (KCVT) channel group becomes "the whole block": G = R.
         if spec.group_size == -1:
             spec = QuantSpec(spec.bits, config.residual_length, True)
-        return BlockFlushStream(spec, config.residual_length, check_finite=check_finite)
-    return FifoStream(spec, config.residual_length, check_finite=check_finite)
+        return BlockFlushStream(spec, config.residual_length, recent_window=config.recent_window,
+                                check_finite=check_finite)
+    return FifoStream(spec, config.residual_length, recent_window=config.recent_window,
+                      check_finite=check_finite)
 
 
 register_format(FP16Config, compress=_fp16_compress, new_stream=_fp16_stream)

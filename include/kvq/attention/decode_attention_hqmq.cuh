@@ -42,7 +42,7 @@
 // Generic path (tail tokens, g > 8, unaligned rows, codebooks too large for shared memory):
 //   warp_generic_loop with a loader that decodes each lane's elements in fp32 with
 //   hqmq::decode_chunk from the global secondary set (bit-identical to kvq.hqmq_decode) and adds
-//   the token's records.
+//   the token's records; tokens from Tc on (the recent window) are read from the residual.
 #pragma once
 #include "kvq/attention/decode_attention.cuh"
 #include "kvq/attention/decode_attention_hqmq.h"
@@ -96,7 +96,7 @@ inline bool hqmq_mma_layout_ok(const HqmqAttnParams& p) {
     if (!aligned16(s->codes, s->codes_sb, s->codes_sh, 4) || !aligned16(s->scale, s->scale_sb, s->scale_sh, 2))
       return false;
   }
-  return p.T >= kTile;
+  return p.Tc >= kTile;
 }
 
 /// \brief Compile-time layout of the v2 path (FMT 3: F = 16, b_r = 4, 24 S <= 4096) at head dim D.
@@ -883,7 +883,8 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
     for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
     __syncwarp();
   }
-  // ---- this warp's share of the tail [t_main, T) ----
+  // ---- this warp's share of the tail [t_main, T): encoded tokens past the last full tile, then the
+  // recent window ----
   const int64_t tail = p.T - plan.t_main;
   if (tail > 0) {
     const int64_t nchunks = (tail + plan.tail_chunk - 1) / plan.tail_chunk;
@@ -891,8 +892,16 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
       const int64_t a = plan.t_main + k * plan.tail_chunk;
       const int64_t e = a + plan.tail_chunk < p.T ? a + plan.tail_chunk : p.T;
       auto load = [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
-        hqmq_load_token<D>(p, p.k, b, h, t, lane, kx);
-        hqmq_load_token<D>(p, p.v, b, h, t, lane, vx);
+        if (t < p.Tc) {
+          hqmq_load_token<D>(p, p.k, b, h, t, lane, kx);
+          hqmq_load_token<D>(p, p.v, b, h, t, lane, vx);
+        } else {  // the recent window: full-precision rows
+          const int64_t r = t - p.Tc;
+          const DType* kr = static_cast<const DType*>(p.k.residual) + b * p.k.res_sb + h * p.k.res_sh + r * D;
+          const DType* vr = static_cast<const DType*>(p.v.residual) + b * p.v.res_sb + h * p.v.res_sh + r * D;
+#pragma unroll
+          for (int e = 0; e < D / 32; ++e) kx[e] = to_float(kr[lane * (D / 32) + e]), vx[e] = to_float(vr[lane * (D / 32) + e]);
+        }
       };
       // heads in passes of <= 8 (independent softmax states; register arrays of 16 heads
       // spill), each pass decoding the chunk's tokens again; kHqmqTailChunk tokens per step

@@ -3,8 +3,9 @@
 // twin.  Torch-free.  Format of one role: include/kvq/hqmq/hqmq.h.
 //
 //   out[b, hq] = softmax_t(scale * q[b, hq] . K[b, hq / g, t] + mask) . V[b, hq / g, t]
-// with K/V token t = the HQMQ decode of (codes, scale) + the token's Med3x records
-// (outlier chunks decode to 0 in the dense codes, so a record's values are added).
+// with K/V token t < Tc = the HQMQ decode of (codes, scale) + the token's Med3x records
+// (outlier chunks decode to 0 in the dense codes, so a record's values are added), and token
+// t >= Tc = row t - Tc of the role's full-precision residual (the cache's recent window).
 //
 // Outlier index (per role).  The fused kernel must find the records of the tokens it reads
 // without scanning the whole list, so the records are kept ordered by the key
@@ -42,6 +43,10 @@ struct HqmqKV {
   int64_t scale_sb = 0, scale_sh = 0;    // batch / head strides of scale (elements)
   int64_t S = 1;
   int radius_bits = 4, field_bits = 0, words = 0;
+  // the recent window: tokens Tc .. T - 1 in full precision (the dtype of q), [B, H, T - Tc, D]
+  // with inner [T - Tc, D] contiguous; nullptr when T == Tc
+  const void* residual = nullptr;
+  int64_t res_sb = 0, res_sh = 0;  // batch / head strides (elements)
 };
 
 /// \brief Decode attention call.  Workspace holds split partials (CUDA only), in the layout
@@ -53,6 +58,7 @@ struct HqmqAttnParams {
   int64_t mask_sb = 0;
   HqmqKV k, v;
   int64_t B = 0, H = 0, Hq = 0, D = 0, T = 0;
+  int64_t Tc = 0;  // HQMQ-encoded tokens 0 .. Tc - 1; tokens Tc .. T - 1 are the roles' residual
   float scale = 1.f;
   float* ws = nullptr;
   int splits = 0;
@@ -106,6 +112,19 @@ inline void hqmq_decode_tokens_cpu(const HqmqAttnParams& p, const HqmqKV& s, int
   }
 }
 
+/// \brief Tokens [t0, t1) of row (b, h) of one role into x (fp32): decoded below Tc, copied
+/// from the residual from Tc on.  t0 is a multiple of kHqmqTile.
+template <typename DType>
+inline void hqmq_tokens_cpu(const HqmqAttnParams& p, const HqmqKV& s, int64_t b, int64_t h, int64_t t0,
+                            int64_t t1, float* x) {
+  const int64_t D = p.D;
+  if (t0 < p.Tc) hqmq_decode_tokens_cpu(p, s, b, h, t0, t1 < p.Tc ? t1 : p.Tc, x);
+  for (int64_t t = t0 > p.Tc ? t0 : p.Tc; t < t1; ++t) {
+    const DType* r = static_cast<const DType*>(s.residual) + b * s.res_sb + h * s.res_sh + (t - p.Tc) * D;
+    for (int64_t c = 0; c < D; ++c) x[(t - t0) * D + c] = to_float(r[c]);
+  }
+}
+
 /// \brief CPU twin: attention of the g query heads of (b, h) in fp32, one 32-token tile of
 /// keys/values decoded at a time.  `row` and `buf` are caller-provided scratch.
 template <typename DType>
@@ -124,7 +143,7 @@ void hqmq_decode_attention_cpu(const HqmqAttnParams& p, int64_t b, int64_t h, st
   std::vector<float> m(g, -INFINITY), l(g, 0.f);
   for (int64_t t0 = 0; t0 < T; t0 += kHqmqTile) {
     const int64_t t1 = t0 + kHqmqTile < T ? t0 + kHqmqTile : T;
-    hqmq_decode_tokens_cpu(p, p.k, b, h, t0, t1, xt);
+    hqmq_tokens_cpu<DType>(p, p.k, b, h, t0, t1, xt);
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t j = 0; j < g; ++j) {
         if (masked(t)) {
@@ -139,7 +158,7 @@ void hqmq_decode_attention_cpu(const HqmqAttnParams& p, int64_t b, int64_t h, st
   }
   for (int64_t t0 = 0; t0 < T; t0 += kHqmqTile) {
     const int64_t t1 = t0 + kHqmqTile < T ? t0 + kHqmqTile : T;
-    hqmq_decode_tokens_cpu(p, p.v, b, h, t0, t1, xt);
+    hqmq_tokens_cpu<DType>(p, p.v, b, h, t0, t1, xt);
     for (int64_t t = t0; t < t1; ++t) {
       if (masked(t)) continue;
       for (int64_t j = 0; j < g; ++j) {
