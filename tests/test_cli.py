@@ -1,5 +1,6 @@
 """The ``kvq`` CLI: eval (the JSON schema of docs/eval.md, on a tiny random model + tiny
 text), demo, bench, argument checks, preset selection and the Wikipedia cleaner."""
+import dataclasses
 import json
 import os
 
@@ -215,6 +216,18 @@ def test_prefix_only_cache_holds_the_prompt_as_the_preset_stores_it(tiny_model_d
         # KIVI's rule: 128 keys quantized, the last 22 in full precision
         assert not torch.equal(kd[:, :, :128], k[:, :, :128])
         assert torch.equal(kd[:, :, 128:], k[:, :, 128:150])
+
+
+def test_preset_overrides():
+    cfg = cli.preset_config("hqmq-3.79:recent_window=64:secondary_size=48")
+    assert cfg == dataclasses.replace(kvq.get_config("hqmq-3.79"), recent_window=64, secondary_size=48)
+    assert cli.preset_config("gear-2:backbone=kcvt").backbone == "kcvt"
+    assert cli.select_presets("kivi-2,kivi-2:recent_window=32") == ["fp16", "kivi-2", "kivi-2:recent_window=32"]
+    for bad, what in (("kivi-2:recent_widow=3", "recent_widow"), ("kivi-2:recent_window", "field=value"),
+                      ("kivi-2:recent_window=-4", "recent_window"), ("nope:bits=2", "nope")):
+        with pytest.raises(cli.UsageError, match="--presets") as e:
+            cli.select_presets(bad)
+        assert what in str(e.value)
 
 
 def test_compression_stats_counts_sliding_layers_as_their_window():

@@ -10,9 +10,11 @@ over all layers, and greedy-generation agreement.  See ``docs/eval.md``.
 from __future__ import annotations
 
 import argparse
+import ast
 import bz2
 import contextlib
 import copy
+import dataclasses
 import glob
 import html
 import importlib.util
@@ -64,9 +66,37 @@ class UsageError(ValueError):
     """A bad command-line argument: ``main`` prints it on one line and returns 2."""
 
 
+def preset_config(spec: str):
+    """The config of one ``--presets`` entry: a preset name, optionally with field overrides
+    ``NAME:field=value[:field=value...]`` (e.g. ``hqmq-3.79:recent_window=64``; values are
+    Python literals: ints, floats, True/False, None, or bare strings).  A bad entry raises
+    :class:`UsageError` naming ``--presets``."""
+    name, *over = spec.split(":")
+    if name not in kvq.PRESETS:
+        raise UsageError(f"--presets: unknown preset {name!r} (known: {', '.join(kvq.PRESETS)}, "
+                         f"or 'all')")
+    cfg = kvq.PRESETS[name]
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    kw = {}
+    for item in over:
+        key, eq, text = item.partition("=")
+        if not eq or key not in fields:
+            raise UsageError(f"--presets {spec!r}: {item!r} is not field=value for a field of "
+                             f"{type(cfg).__name__} ({', '.join(sorted(fields))})")
+        try:
+            kw[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            kw[key] = text
+    try:
+        return dataclasses.replace(cfg, **kw) if kw else cfg
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"--presets {spec!r}: {e}") from None
+
+
 def select_presets(spec: Optional[str]) -> List[str]:
-    """Preset names from ``spec`` ("all" or a comma list), in the order given, without
-    repeats, "fp16" first (it is every comparison's reference).  An unknown name raises
+    """Preset entries from ``spec`` ("all" or a comma list of names, each optionally with
+    overrides, see :func:`preset_config`), in the order given, without repeats, "fp16" first
+    (it is every comparison's reference).  An unknown name or bad override raises
     :class:`UsageError` naming ``--presets`` and listing the known presets."""
     known = list(kvq.PRESETS)
     if not spec or spec.strip() == "all":
@@ -76,9 +106,7 @@ def select_presets(spec: Optional[str]) -> List[str]:
         for n in (s.strip() for s in spec.split(",")):
             if not n:
                 continue
-            if n not in kvq.PRESETS:
-                raise UsageError(f"--presets: unknown preset {n!r} (known: {', '.join(known)}, "
-                                 f"or 'all')")
+            preset_config(n)
             if n not in names:
                 names.append(n)
     if "fp16" in names:
@@ -558,7 +586,7 @@ def run_retrieval(model, tok, prompts, presets: Sequence[str], *, max_new_tokens
                 if name == "reference":
                     cache = copy.deepcopy(past)
                 else:
-                    cache = QuantizedCache(kvq.get_config(name), model.config)
+                    cache = QuantizedCache(preset_config(name), model.config)
                     cache.load_prefill(past)
                 with torch.no_grad():
                     gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -778,7 +806,7 @@ def _quality(args, model, ids, presets, results, skipped) -> float:
             bar.set_postfix_str(name)
         ts = time.time()
         try:
-            config = kvq.get_config(name)
+            config = preset_config(name)
             r: Dict[str, object] = dict(compression_stats(kvs, config, P, args.chunk, kinds))
             r.update(run_preset(model, ids, P, C, N, args.chunk, config, ref_lp, ref_tokens,
                                 kvs=kvs if args.prefix_only else None, quiet=args.quiet, desc=name))
@@ -911,7 +939,7 @@ def cmd_demo(args) -> int:
     results, skipped = {}, {}
     for name in _progress(presets, desc="presets", disable=args.quiet):
         try:
-            results[name] = compression_stats([(k, v)], kvq.get_config(name),
+            results[name] = compression_stats([(k, v)], preset_config(name),
                                               prefill=args.tokens, chunk=1)
         except Exception as e:
             skipped[name] = f"{type(e).__name__}: {e}"
@@ -997,7 +1025,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "streaming run where every new token goes into the compressed cache: what a long "
                    "generation costs (adds *_prefix_only columns; doubles the scoring time)")
     e.add_argument("--presets", default="all", help="comma-separated preset names or 'all' "
-                   "(default; every preset registered in kvq.PRESETS)")
+                   "(default; every preset registered in kvq.PRESETS); a name may carry config "
+                   "overrides, NAME:field=value[:field=value], e.g. hqmq-3.79:recent_window=64")
     e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     e.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on "
                    "CUDA), float16, bfloat16, float32")
