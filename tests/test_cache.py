@@ -344,7 +344,7 @@ def test_load_state_dict_refuses_missing_or_truncated_tensors(preset):
     assert torch.equal(target.dequantize(0)[0], src.dequantize(0)[0])
 
 
-@pytest.mark.parametrize("preset", ["kivi-2", "gear-2"])
+@pytest.mark.parametrize("preset", ["kivi-2", "gear-2", "hqmq-3.79", "hqmq-5"])
 def test_compress_decompress_compiles_fullgraph(preset):
     """kvq.compress(...).decompress() traces into one graph (no data-dependent Python branching)
     and gives the eager result."""

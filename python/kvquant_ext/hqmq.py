@@ -39,11 +39,17 @@ def hqmq_secondary(num_heads: int, secondary_size: int, seed: int, *, layer_idx:
     ``torch.Generator`` so they are identical on every device."""
     if secondary_size < 1:
         raise ValueError(f"argument 'secondary_size' must be >= 1, got {secondary_size}")
+    return _secondary_cpu(int(num_heads), int(secondary_size), int(seed), layer_idx, role).to(device)
+
+
+@torch.compiler.assume_constant_result
+def _secondary_cpu(num_heads: int, secondary_size: int, seed: int, layer_idx: int, role: str) -> torch.Tensor:
+    # a function of its arguments alone: under torch.compile the hash and the draw run at
+    # trace time and the result is a constant of the graph (neither can be traced)
     g = torch.Generator(device="cpu")
     g.manual_seed(hqmq_seed(seed, layer_idx, role))
     q = torch.randn((num_heads, secondary_size, 4), generator=g, dtype=torch.float64)
-    q = q / q.norm(dim=-1, keepdim=True)
-    return q.to(dtype=torch.float32, device=device)
+    return (q / q.norm(dim=-1, keepdim=True)).to(torch.float32)
 
 
 def med3_threshold(x: torch.Tensor, factor: float) -> torch.Tensor:
