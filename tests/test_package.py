@@ -194,3 +194,11 @@ def test_register_format_plugs_a_new_method_into_compress_and_cache():
         kvq.register_format(int, compress=compress, new_stream=new_stream)
     with pytest.raises(TypeError, match="'new_stream'"):
         kvq.register_format(_Halved, compress=compress, new_stream=None)
+
+
+def test_import_refuses_another_torch_minor():
+    kvq._check_torch("2.13.0+cpu", "2.13.1")  # same minor: the ABI matches
+    kvq._check_torch("2.11.0+cu130", "2.11.0+cu130")
+    with pytest.raises(ImportError, match=r"built against torch 2\.13\.0\+cpu, but torch 2\.11\.0"):
+        kvq._check_torch("2.13.0+cpu", "2.11.0")
+    assert kvq._build_config.TORCH_VERSION.split("+")[0] == torch.__version__.split("+")[0]

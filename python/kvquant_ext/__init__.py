@@ -12,11 +12,27 @@ import importlib
 import torch  # noqa: F401  (must be imported before the extension library)
 
 try:  # written by the build: the extension's flags and the argument sets its ops accept
-    from ._build_config import BITS, HEAD_DIMS, MMA_HEAD_DIMS
+    from ._build_config import BITS, HEAD_DIMS, MMA_HEAD_DIMS, TORCH_VERSION
     from ._build_config import WITH_CUDA as built_with_cuda
 except ImportError as e:  # pragma: no cover  (a source tree that was never built)
     raise ImportError("kvquant_ext is not built (kvquant_ext/_build_config.py is missing); "
                       "install it with: pip install --no-build-isolation -e .") from e
+
+
+def _check_torch(built: str, running: str) -> None:
+    """The compiled ops link against the C++ ABI of the torch they were built with, which
+    changes between minor releases: refuse another torch with a clear message (instead of
+    an undefined-symbol error from the loader)."""
+    def minor(v):
+        return tuple(v.split("+")[0].split(".")[:2])
+    if minor(built) != minor(running):
+        raise ImportError(f"kvquant_ext was built against torch {built}, but torch {running} is "
+                          f"installed; reinstall kvquant-ext against this torch (pip install "
+                          f"--no-build-isolation kvquant-ext, from source) or install torch "
+                          f"{'.'.join(minor(built))}.x")
+
+
+_check_torch(TORCH_VERSION, torch.__version__)
 from . import _ops as ops  # noqa: F401  (registers torch.ops.kvq.* and their fakes)
 from ._ops import FLOAT_DTYPES as DTYPES  # the floating input dtypes, as torch dtypes
 from ._ops import (dequantize, gear_compress, gear_decompress, hqmq_decode, hqmq_encode,
