@@ -352,3 +352,47 @@ def test_compress_decompress_compiles_fullgraph(preset):
     x = make_kv(1, 2, 128, 64, torch.float32)
     f = torch.compile(lambda t: kvq.compress(t, preset, "key", check_finite=False).decompress(), fullgraph=True)
     torch.testing.assert_close(f(x), kvq.compress(x, preset, "key").decompress(), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- skip_layers
+def test_skip_layers_keep_those_layers_in_full_precision():
+    cfg = kvq.KIVIConfig(bits=2, skip_layers=(0, -1))
+    c = kvq.KVCache(cfg, 4)
+    xs = [make_kv(1, 2, 200, 64, torch.float16) for _ in range(4)]
+    for i, x in enumerate(xs):
+        c.update(x, x, i)
+    plain = kvq.KVCache("kivi-2")
+    for i, x in enumerate(xs):
+        plain.update(x, x, i)
+    for i, x in enumerate(xs):
+        K, V = c.dequantize(i)
+        if i in (0, 3):
+            assert torch.equal(K, x) and torch.equal(V, x)
+        else:
+            assert torch.equal(K, plain.dequantize(i)[0]) and not torch.equal(K, x)
+    per_layer = [plain.layers[i].key.nbytes + plain.layers[i].value.nbytes for i in range(4)]
+    assert c.nbytes == 2 * 2 * xs[0].numel() * 2 + per_layer[1] + per_layer[2]
+    q = torch.randn(1, 4, 64).half()
+    K, V = xs[3], xs[3]
+    ref = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), K, V, enable_gqa=True).squeeze(2)
+    torch.testing.assert_close(kvq.decode_attention(q, c, 3), ref, atol=2e-3, rtol=2e-3)
+    d = kvq.KVCache(cfg, 4)
+    d.load_state_dict(c.state_dict())
+    assert all(torch.equal(a, b) for i in range(4) for a, b in zip(c.dequantize(i), d.dequantize(i)))
+
+
+def test_skip_layers_negative_entries_need_the_layer_count():
+    with pytest.raises(ValueError, match="num_layers"):
+        kvq.KVCache(kvq.GEARConfig(skip_layers=(-1,)))
+    c = kvq.KVCache(kvq.GEARConfig(skip_layers=(1,)))  # non-negative: resolved without it
+    c.update(make_kv(1, 2, 64, 64, torch.float16), make_kv(1, 2, 64, 64, torch.float16), 1)
+    assert type(c.layers[1].key).__name__ == "FullPrecisionStream"
+    assert type(c.layers[0].key).__name__ == "GEARStream"
+    for bad in [(0, 0), (1.0,), "0", (True,)]:
+        with pytest.raises(ValueError, match="skip_layers"):
+            kvq.HQMQConfig(skip_layers=bad)
+    assert kvq.HQMQConfig(skip_layers=[2, -1]).skip_layers == (2, -1)  # a list is stored as a tuple
+    cfg = kvq.KIVIConfig(skip_layers=(0, -1))
+    assert kvq.CompressionConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(NotImplementedError, match="skip_layers"):
+        kvq.PagedKVCache(cfg, num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=256)

@@ -223,6 +223,8 @@ def test_preset_overrides():
     assert cfg == dataclasses.replace(kvq.get_config("hqmq-3.79"), recent_window=64, secondary_size=48)
     assert cli.preset_config("gear-2:backbone=kcvt").backbone == "kcvt"
     assert cli.select_presets("kivi-2,kivi-2:recent_window=32") == ["fp16", "kivi-2", "kivi-2:recent_window=32"]
+    assert cli.select_presets("kivi-2:skip_layers=(0,-1),gear-2") == ["fp16", "kivi-2:skip_layers=(0,-1)", "gear-2"]
+    assert cli.preset_config("kivi-2:skip_layers=(0,-1)").skip_layers == (0, -1)
     for bad, what in (("kivi-2:recent_widow=3", "recent_widow"), ("kivi-2:recent_window", "field=value"),
                       ("kivi-2:recent_window=-4", "recent_window"), ("nope:bits=2", "nope")):
         with pytest.raises(cli.UsageError, match="--presets") as e:

@@ -83,6 +83,21 @@ def test_fp16_preset_is_token_identical_to_dynamic_cache(family):
     assert torch.equal(out, ref)
 
 
+def test_skip_layers_resolve_against_the_model():
+    """skip_layers=(0, -1) on a 2-layer model keeps every layer exact: the tokens are
+    DynamicCache's; skipping only the last layer still compresses layer 0."""
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (1, 150))
+    ref = gen(model, ids, DynamicCache(), n=12)
+    every = kh.QuantizedCache(kvq.KIVIConfig(bits=2, skip_layers=(0, -1)), model.config)
+    assert torch.equal(gen(model, ids, every, n=12), ref)
+    last = kh.QuantizedCache(kvq.KIVIConfig(bits=2, skip_layers=(-1,)), model.config)
+    gen(model, ids, last, n=2)
+    assert [type(l.key).__name__ for l in last.kv.layers] == ["BlockFlushStream", "FullPrecisionStream"]
+    with pytest.raises(ValueError, match="num_layers"):
+        kh.QuantizedCache(kvq.KIVIConfig(bits=2, skip_layers=(-1,)))  # no model config: unknown count
+
+
 def test_decode_reads_the_compressed_cache_through_decode_attention(monkeypatch):
     """Every decode step of every layer goes through kvq.decode_attention with the right
     scale, and nothing else dequantizes the cache (prefill attends on fresh tensors)."""

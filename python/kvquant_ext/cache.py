@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .config import CompressionConfig, get_config
-from .streams import max_abs_of
+from .streams import FullPrecisionStream, max_abs_of
 
 
 class LayerCache:
@@ -15,7 +15,10 @@ class LayerCache:
     streams do not check for NaN/Inf themselves: :meth:`KVCache.update` checks key and
     value together before appending either."""
 
-    def __init__(self, config: CompressionConfig, layer_idx: int):
+    def __init__(self, config: CompressionConfig, layer_idx: int, num_layers: Optional[int] = None):
+        if config.skips_layer(layer_idx, num_layers):  # skip_layers: kept in full precision
+            self.key, self.value = FullPrecisionStream(), FullPrecisionStream()
+            return
         self.key = config.new_stream("key", check_finite=False, layer_idx=layer_idx)
         self.value = config.new_stream("value", check_finite=False, layer_idx=layer_idx)
 
@@ -30,7 +33,8 @@ class KVCache:
     Parameters
     ----------
     config : a :class:`~kvquant_ext.config.CompressionConfig` (or a preset name).
-    num_layers : optional; layers are also created on first use.
+    num_layers : optional; layers are also created on first use (needed when the config's
+        ``skip_layers`` has negative entries, which count from the last layer).
     check_finite : raise on NaN/Inf in appended tokens (default True).
     """
 
@@ -41,6 +45,8 @@ class KVCache:
             raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
                             f"got {type(config).__name__}")
         self.config, self.check_finite = config, check_finite
+        self.num_layers_hint = num_layers
+        config.skips_layer(0, num_layers)  # a negative skip_layers entry needs num_layers
         self.layers: List[LayerCache] = []
         if num_layers is not None:
             self._ensure(num_layers - 1)
@@ -49,13 +55,13 @@ class KVCache:
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"argument 'layer_idx' must be a non-negative int, got {layer_idx!r}")
         while len(self.layers) <= layer_idx:
-            self.layers.append(LayerCache(self.config, len(self.layers)))
+            self.layers.append(LayerCache(self.config, len(self.layers), self.num_layers_hint))
         return self.layers[layer_idx]
 
     def reset(self, layer_idx: int) -> None:
         """Empty layer ``layer_idx`` (its new streams are built for that layer index)."""
         self._layer(layer_idx)
-        self.layers[layer_idx] = LayerCache(self.config, layer_idx)
+        self.layers[layer_idx] = LayerCache(self.config, layer_idx, self.num_layers_hint)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
         """Append ``key``/``value`` tokens ``[B, H, t, D]`` to layer ``layer_idx``."""

@@ -93,6 +93,21 @@ def preset_config(spec: str):
         raise UsageError(f"--presets {spec!r}: {e}") from None
 
 
+def _split_top_level(spec: str) -> List[str]:
+    """Split on the commas outside parentheses (an override may be a tuple: skip_layers=(0,-1))."""
+    out, depth, cur = [], 0, []
+    for ch in spec:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return out
+
+
 def select_presets(spec: Optional[str]) -> List[str]:
     """Preset entries from ``spec`` ("all" or a comma list of names, each optionally with
     overrides, see :func:`preset_config`), in the order given, without repeats, "fp16" first
@@ -103,7 +118,7 @@ def select_presets(spec: Optional[str]) -> List[str]:
         names = known
     else:
         names = []
-        for n in (s.strip() for s in spec.split(",")):
+        for n in (s.strip() for s in _split_top_level(spec)):
             if not n:
                 continue
             preset_config(n)
@@ -351,7 +366,7 @@ def compression_stats(kvs, config, prefill: int, chunk: int,
     :class:`~kvquant_ext.hf.QuantizedCache` stores it, its last ``W - 1`` tokens in full
     precision, and counts with those tokens only, so that every preset, fp16 included, is
     measured on the cache the model needs."""
-    cache = kvq.KVCache(config)
+    cache = kvq.KVCache(config, len(kvs))
     numel = 0
     ek = nk = ev = nv = 0.0
     nbytes = 0
@@ -445,7 +460,7 @@ def prefix_only_cache(model, kvs, prefill: int, config):
     from .hf import _layer_kinds
     kinds = _layer_kinds(model.config)
     cache = DynamicCache(config=model.config)
-    store = kvq.KVCache(config)
+    store = kvq.KVCache(config, len(kvs))
     for i, (k, v) in enumerate(kvs):
         k0, v0 = k[:, :, :prefill - 1].contiguous(), v[:, :, :prefill - 1].contiguous()
         if kinds[i][0] == "compressed":

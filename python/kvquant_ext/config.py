@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Dict, Optional, Type
+from typing import Callable, ClassVar, Dict, Optional, Tuple, Type
 
 from ._build_config import BITS, BITS_TEXT
 
@@ -89,15 +89,26 @@ class QuantSpec:
 
 
 def _check_window(config: "CompressionConfig") -> None:
+    """Validate the fields every config has (``recent_window``, ``skip_layers``)."""
     W = config.recent_window
     if isinstance(W, bool) or not isinstance(W, int) or W < 0:
         raise ValueError(f"argument 'recent_window' must be an int >= 0, got {W!r}")
+    sk = config.skip_layers
+    if not isinstance(sk, (tuple, list)) or any(isinstance(i, bool) or not isinstance(i, int) for i in sk) \
+            or len(set(sk)) != len(sk):
+        raise ValueError(f"argument 'skip_layers' must be a tuple of distinct layer indices (ints; "
+                         f"negative ones count from the last layer), got {sk!r}")
+    object.__setattr__(config, "skip_layers", tuple(sk))
 
 
 @dataclass(frozen=True)
 class CompressionConfig:
     """Base of every config: its dataclass fields are the whole config (``to_dict`` /
     ``from_dict`` round-trip them); behaviour comes from the registered :class:`Format`.
+
+    ``skip_layers`` (keyword only, every method): layer indices a streaming cache keeps in
+    full precision (negative ones count from the last layer), as serving engines keep e.g. the
+    first and last layers; :meth:`skips_layer` resolves them.
 
     ``recent_window`` (keyword only, every method): a streaming cache keeps the newest W
     tokens of every layer in full precision; a token that ages out of the window enters the
@@ -109,6 +120,19 @@ class CompressionConfig:
     version: ClassVar[int] = 1
     method: ClassVar[str] = "base"
     recent_window: int = dataclasses.field(default=0, kw_only=True)
+    skip_layers: Tuple[int, ...] = dataclasses.field(default=(), kw_only=True)
+
+    def skips_layer(self, layer_idx: int, num_layers: Optional[int]) -> bool:
+        """Is layer ``layer_idx`` kept in full precision (``skip_layers``; a negative entry
+        counts from the last of ``num_layers`` layers, which must then be known)?"""
+        if not self.skip_layers:
+            return False
+        if num_layers is None:
+            if any(i < 0 for i in self.skip_layers):
+                raise ValueError(f"argument 'num_layers' is needed to resolve the negative entries of "
+                                 f"skip_layers={self.skip_layers}")
+            return layer_idx in self.skip_layers
+        return any(i % num_layers == layer_idx for i in self.skip_layers if -num_layers <= i < num_layers)
 
     def __post_init__(self):
         _check_window(self)

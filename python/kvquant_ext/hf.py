@@ -299,7 +299,8 @@ class QuantizedCache(Cache):
             raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
                             f"got {type(config).__name__}")
         self.config, self.compress_sliding = config, bool(compress_sliding)
-        self.kv = KVCache(config, check_finite=check_finite)
+        n = None if model_config is None else len(_layer_kinds(model_config))
+        self.kv = KVCache(config, n, check_finite=check_finite)
         self._warned = False
         super().__init__(layers=[])
         if model_config is not None:

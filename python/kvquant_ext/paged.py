@@ -106,6 +106,9 @@ class PagedKVCache:
             raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, got {type(config).__name__}")
         if recent_window is None and isinstance(page_size, int) and page_size > 0:
             recent_window = -(-config.recent_window // page_size) * page_size
+        if config.skip_layers:
+            raise NotImplementedError(f"PagedKVCache does not support skip_layers yet (got "
+                                      f"{config.skip_layers}); keep those layers in a cache of their own")
         if not isinstance(config, (FP16Config, GroupQuantBase)):
             raise NotImplementedError(f"PagedKVCache does not support {type(config).__name__} yet; supported: "
                                       "fp16 and the group-quantization presets (KIVI, KCVT, per-token INT, FlexGen)")
