@@ -866,9 +866,15 @@ def cmd_eval(args) -> int:
         raise SystemExit(f"kvq eval: the text has {ids.shape[1]} tokens, fewer than --prefill + "
                          f"--continuation = {P + C}")
     ids = ids[:, :P + C].to(device)
-    _note(f"model {model_name} on {device}/{str(dtype).replace('torch.', '')}, text {text_name}, "
-          f"{P} prefill + {C} continuation tokens (chunk {args.chunk}), {N} generated, "
-          f"presets: {', '.join(presets)}  [load {time.time() - t0:.1f}s]")
+    what = []
+    if "quality" in tasks:
+        what.append(f"quality: {P} prefill + {C} continuation tokens (chunk {args.chunk}), "
+                    f"{N} generated")
+    if "retrieval" in tasks:
+        what.append(f"retrieval: lengths {','.join(map(str, lengths))}, depths "
+                    f"{','.join(f'{d:g}' for d in depths)}, {args.trials} trial(s)")
+    _note(f"model {model_name} on {device}/{str(dtype).replace('torch.', '')}, text {text_name}; "
+          f"{'; '.join(what)}; presets: {', '.join(presets)}  [load {time.time() - t0:.1f}s]")
 
     results: Dict[str, Dict[str, object]] = {}
     skipped: Dict[str, str] = {}
