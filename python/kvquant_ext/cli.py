@@ -786,23 +786,14 @@ def _tasks(spec: str) -> set:
     return names
 
 
-def _int_list(spec: str, arg: str) -> List[int]:
+def _number_list(spec: str, arg: str, kind, ok, expected: str) -> list:
+    """A comma list of numbers of type ``kind``, each passing ``ok``; else a UsageError."""
     try:
-        vals = [int(x) for x in spec.split(",") if x.strip()]
+        vals = [kind(x) for x in spec.split(",") if x.strip()]
     except ValueError:
         vals = []
-    if not vals or min(vals) < 1:
-        raise UsageError(f"{arg} {spec!r}: expected a comma list of positive token counts")
-    return vals
-
-
-def _float_list(spec: str, arg: str) -> List[float]:
-    try:
-        vals = [float(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        vals = []
-    if not vals or not all(0.0 <= v <= 1.0 for v in vals):
-        raise UsageError(f"{arg} {spec!r}: expected a comma list of fractions in [0, 1]")
+    if not vals or not all(ok(v) for v in vals):
+        raise UsageError(f"{arg} {spec!r}: expected a comma list of {expected}")
     return vals
 
 
@@ -839,8 +830,10 @@ def cmd_eval(args) -> int:
     # every argument is checked before anything is loaded
     presets = select_presets(args.presets)
     tasks = _tasks(args.task)
-    lengths = _int_list(args.lengths, "--lengths") if "retrieval" in tasks else []
-    depths = _float_list(args.depths, "--depths") if "retrieval" in tasks else []
+    lengths = (_number_list(args.lengths, "--lengths", int, lambda v: v >= 1, "positive token counts")
+               if "retrieval" in tasks else [])
+    depths = (_number_list(args.depths, "--depths", float, lambda v: 0.0 <= v <= 1.0, "fractions in [0, 1]")
+              if "retrieval" in tasks else [])
     if "retrieval" in tasks and args.trials < 1:
         raise UsageError("--trials must be >= 1")
     P, C, N = args.prefill, args.continuation, args.generate
