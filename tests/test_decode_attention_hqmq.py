@@ -9,7 +9,7 @@ import kvquant_ext as kvq
 from conftest import CUDA, MMA_HEAD_DIMS, requires_cuda
 from reference.attention_reference import reference_decode_attention
 
-PRESETS = ["hqmq-3.79", "hqmq-5"]
+PRESETS = ["hqmq-3.79-paper", "hqmq-5"]
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 
 
@@ -70,7 +70,7 @@ def test_presets_lengths_head_dims(device, preset, T, D):
     nk, nv = num_records(cache)
     if preset == "hqmq-5" and T >= 17:
         assert nk > 0 and nv > 0  # Med3x fired: the records are part of what is checked
-    if preset == "hqmq-3.79":
+    if preset == "hqmq-3.79-paper":
         assert nk == nv == 0
 
 
@@ -280,7 +280,7 @@ F16_MED3 = kvq.HQMQConfig(secondary_size=96, radius_bits=4, outlier_factor=3.0) 
 
 
 @requires_cuda
-@pytest.mark.parametrize("preset", ["hqmq-3.79", "f16-med3"])
+@pytest.mark.parametrize("preset", ["hqmq-3.79-paper", "f16-med3"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("g", [1, 3, 8])
 def test_cuda_hqmq_v2_matches_cpu(preset, D, g):
@@ -319,7 +319,7 @@ def test_cuda_hqmq_v2_dtypes_and_small_scales(D):
     v[:, :, 1::7] *= 3e3
     k[:, :, ::5] *= 1e-3
     for dtype in (torch.bfloat16, torch.float32, torch.float16):
-        cache = kvq.KVCache("hqmq-3.79")
+        cache = kvq.KVCache("hqmq-3.79-paper")
         cache.update(k.to(dtype), v.to(dtype), 0)
         kops = list(cache.layers[0].key.attention_operands())
         vops = list(cache.layers[0].value.attention_operands())
@@ -333,7 +333,7 @@ def test_cuda_hqmq_v2_dtypes_and_small_scales(D):
 @requires_cuda
 def test_cuda_hqmq_v2_graph_replay():
     """The v2 kernel under CUDA-graph capture (same bits on replay as eagerly)."""
-    cache = build("hqmq-3.79", 2, 2, 1500, 128, torch.float16, "cuda", steps=3)
+    cache = build("hqmq-3.79-paper", 2, 2, 1500, 128, torch.float16, "cuda", steps=3)
     q = torch.randn(2, 16, 128, dtype=torch.float16, device="cuda")
     eager = fused(q, cache)
     s = torch.cuda.Stream()

@@ -314,7 +314,7 @@ def test_mma16_path_emulation_matches_cpu_op(med3, B, H, T, D, g):
             assert err < 3e-3, f"b={b} h={h}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("preset,B,H,T,D,g", [("hqmq-3.79", 1, 2, 64, 64, 3), ("hqmq-5", 1, 2, 64, 64, 3),
+@pytest.mark.parametrize("preset,B,H,T,D,g", [("hqmq-3.79-paper", 1, 2, 64, 64, 3), ("hqmq-5", 1, 2, 64, 64, 3),
                                               ("hqmq-5", 2, 1, 96, 128, 8)])
 def test_mma_path_emulation_matches_cpu_op(preset, B, H, T, D, g):
     cache = kvq.KVCache(preset)

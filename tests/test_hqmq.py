@@ -203,7 +203,7 @@ def test_med3_outliers_stored_exactly(dtype, D):
 
 
 # ----------------------------------------------------------------------------- storage
-@pytest.mark.parametrize("preset,S,rb,W", [("hqmq-3.79", 96, 4, 16), ("hqmq-5", 192, 6, 19)])
+@pytest.mark.parametrize("preset,S,rb,W", [("hqmq-3.79-paper", 96, 4, 16), ("hqmq-5", 192, 6, 19)])
 def test_bits_per_element_matches_formula(preset, S, rb, W):
     B, H, T, D = 2, 4, 33, 128
     x = make_x(B, H, T, D, torch.float16, outliers=True)
@@ -222,7 +222,7 @@ def test_bits_per_element_matches_formula(preset, S, rb, W):
     assert c.bits_per_element == pytest.approx(8 * nbytes / (B * H * T * D))
     # per-vector part: (32 W + 16) / D bits per element
     per_vec = (32 * W + 16) / D
-    assert per_vec == pytest.approx({"hqmq-3.79": 4.125, "hqmq-5": 4.875}[preset])
+    assert per_vec == pytest.approx({"hqmq-3.79-paper": 4.125, "hqmq-5": 4.875}[preset])
 
 
 # ----------------------------------------------------------------------------- errors
@@ -291,7 +291,7 @@ def test_config_validation_and_serialisation():
                     (dict(secondary_size=1.5), "secondary_size")]:
         with pytest.raises(ValueError, match=f"'{arg}'"):
             kvq.HQMQConfig(**kw)
-    a, b = kvq.get_config("hqmq-3.79"), kvq.get_config("hqmq-5")
+    a, b = kvq.get_config("hqmq-3.79-paper"), kvq.get_config("hqmq-5")
     assert (a.secondary_size, a.radius_bits, a.outlier_factor) == (96, 4, None)
     assert (b.secondary_size, b.radius_bits, b.outlier_factor) == (192, 6, 3.0)
     for cfg in (a, b):
@@ -310,7 +310,7 @@ def test_non_contiguous_input():
 
 
 # ----------------------------------------------------------------------------- streaming
-@pytest.mark.parametrize("preset", ["hqmq-3.79", "hqmq-5"])
+@pytest.mark.parametrize("preset", ["hqmq-3.79-paper", "hqmq-5"])
 def test_kvcache_prefill_and_decode(preset):
     cfg = kvq.get_config(preset)
     B, H, D = 2, 2, 128
@@ -565,12 +565,12 @@ def test_magnitude_limit_is_the_chunk_norm():
     entries up to that norm are accepted; hqmq-5 stores such chunks exactly."""
     x = torch.randn(1, 2, 40, 64, dtype=torch.float16)
     x[0, 0, 3, 4:8] = 40000.0  # entries < 65504, chunk norm 80000
-    cache = kvq.KVCache("hqmq-3.79")
+    cache = kvq.KVCache("hqmq-3.79-paper")
     with pytest.raises(ValueError, match="4-element chunks with norm above 65504"):
         cache.update(x, x, 0)
     assert cache.get_seq_length(0) == 0
     with pytest.raises(RuntimeError, match="chunk whose norm exceeds 65504"):
-        kvq.compress(x, "hqmq-3.79", "key")
+        kvq.compress(x, "hqmq-3.79-paper", "key")
     ok = torch.randn(1, 2, 40, 64, dtype=torch.float16)
     ok[0, 0, 3, 5] = 60000.0  # one large entry: chunk norm below the limit
     cache.update(ok, ok, 0)
