@@ -1,0 +1,91 @@
+"""Tensor parallelism (transformers' ``tp_plan="auto"``, gloo on CPU, 2 processes): each rank's
+``kvq.hf.QuantizedCache`` holds only that rank's KV heads, attends on them, and never talks to
+the other rank.  Generated tokens equal the single-process run (fp16 preset: transformers'
+DynamicCache; kivi-4: the single-process kivi-4 cache) and each rank stores half the bytes.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+import kvquant_ext as kvq  # noqa: E402
+import kvquant_ext.hf as kh  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+WORKER = textwrap.dedent(r"""
+    import json, os, sys, torch
+    import kvquant_ext.hf as kh
+    from transformers import AutoModelForCausalLM
+    try:  # transformers >= 5.2x; 5.17 takes tp_plan= directly
+        from transformers.distributed import DistributedConfig
+        tp = {"distributed_config": DistributedConfig(tp_plan="auto")}
+    except ImportError:
+        tp = {"tp_plan": "auto"}
+
+    path, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["RANK"])
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvq", dtype=torch.float32,
+                                                 **tp).eval()
+    ids = torch.load(os.path.join(path, "ids.pt"))
+    res = {}
+    for name in ("fp16", "kivi-4"):
+        cache = kh.QuantizedCache(name, model.config)
+        with torch.no_grad():
+            g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                               min_new_tokens=12, do_sample=False, pad_token_id=0,
+                               **{kh.cache_kwarg(model): cache})
+        res[name] = {"tokens": g[:, ids.shape[1]:].tolist(), "nbytes": cache.nbytes,
+                     "kv_heads": [l.key._shape[1] for l in cache.kv.layers]}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+""")
+
+
+def _gen(model, ids, cache):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                              min_new_tokens=12, do_sample=False, pad_token_id=0,
+                              **{kh.cache_kwarg(model): cache})[:, ids.shape[1]:].tolist()
+
+
+def test_tensor_parallel_generate_equals_single_process(tmp_path):
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                      max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # sharpen the random model's logits: stable greedy choices
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(1, 128, (2, 150), generator=torch.Generator().manual_seed(1))  # past KIVI's R = 128
+    torch.save(ids, tmp_path / "ids.pt")
+    kh.enable(model)
+    ref = {"fp16": _gen(model, ids, DynamicCache())}
+    single = kh.QuantizedCache("kivi-4", model.config)
+    ref["kivi-4"] = _gen(model, ids, single)
+    fp_single = kh.QuantizedCache("fp16", model.config)
+    assert _gen(model, ids, fp_single) == ref["fp16"]
+
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(29500 + os.getpid() % 1000), str(script), str(tmp_path), str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert r["fp16"]["tokens"] == ref["fp16"]
+        assert r["kivi-4"]["tokens"] == ref["kivi-4"]
+        assert r["kivi-4"]["kv_heads"] == [2, 2]  # 4 KV heads split over 2 ranks
+        assert r["kivi-4"]["nbytes"] * 2 == single.nbytes
+        assert r["fp16"]["nbytes"] * 2 == fp_single.nbytes
