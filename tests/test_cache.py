@@ -210,7 +210,8 @@ def _chunks(sizes=(70, 1, 64, 1, 1, 64)):
 @pytest.mark.parametrize("preset", sorted(kvq.PRESETS))
 def test_update_checks_values_once(preset, monkeypatch):
     """One KVCache.update checks key and value (NaN/Inf, fp16 range) with a single host
-    sync; the streams and the compression ops it calls skip their own checks."""
+    sync (plus, for GEAR, one per compressed block's factors); the streams and the
+    compression ops it calls skip their own checks."""
     flags, syncs = [], {"bool": 0, "float": 0}
     for name in ("quantize", "gear_compress", "hqmq_encode"):
         def wrap(*a, _real=getattr(kvq.ops, name), check_finite=True, **kw):
@@ -227,7 +228,14 @@ def test_update_checks_values_once(preset, monkeypatch):
     for k, v in zip(keys, values):
         cache.update(k, v, 0)
     monkeypatch.undo()
-    assert syncs == {"bool": 0, "float": len(keys)}
+    # GEAR adds one check per compressed block with factors: fp16 factors that overflow are
+    # refused before either role is stored
+    blocks = 0
+    if isinstance(cache.config, kvq.GEARConfig):
+        cfg = cache.config
+        for st in (cache.layers[0].key, cache.layers[0].value):
+            blocks += (1 if st.T0 and cfg.rank else 0) + (st.num_decode_blocks if cfg.rank_decode else 0)
+    assert syncs == {"bool": blocks, "float": len(keys)}
     assert not any(flags)
     if preset != "fp16":
         assert flags  # the compression ops did run
@@ -249,7 +257,7 @@ def test_update_value_errors_name_the_argument(preset):
     if preset == "fp16":
         cache.update(k, big, 0)  # full precision holds any finite value
     else:
-        with pytest.raises(ValueError, match="'value' has entries with magnitude above 65504"):
+        with pytest.raises(ValueError, match="'value' has entries.* above 65504"):
             cache.update(k, big, 0)
         assert cache.get_seq_length(0) == 0
     cache.update(k, v, 0)
@@ -396,3 +404,31 @@ def test_skip_layers_negative_entries_need_the_layer_count():
     assert kvq.CompressionConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(NotImplementedError, match="skip_layers"):
         kvq.PagedKVCache(cfg, num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=256)
+
+
+def test_a_refused_gear_block_leaves_the_layer_as_it_was(monkeypatch):
+    """GEAR compresses both roles' blocks before storing either: when the value block's
+    low-rank factors overflow fp16 the update is refused naming 'value', and the keys were
+    not stored either (with check_finite=False the block is stored as it comes)."""
+    import kvquant_ext.gear as kg
+    real = kg.GEARCompressed.from_tensor
+
+    def inf_values(x, config, role, **kw):
+        c = real(x, config, role, **kw)
+        if role == "value":
+            c.fields["A"] = torch.full_like(c.fields["A"], float("inf"))
+        return c
+    x = make_kv(1, 2, 128, 64, torch.float16)
+    cache = kvq.KVCache("gear-2")
+    cache.update(x, x, 0)  # the prefill block
+    before = [t.clone() for t in cache.dequantize(0)]
+    monkeypatch.setattr(kg.GEARCompressed, "from_tensor", staticmethod(inf_values))
+    step = make_kv(1, 2, 64, 64, torch.float16)  # completes one n_b = 64 decode block
+    with pytest.raises(ValueError, match="'value'.*fp16 low-rank factors"):
+        cache.update(step, step, 0)
+    assert cache.get_seq_length(0) == 128
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.dequantize(0)))
+    loose = kvq.KVCache("gear-2", check_finite=False)
+    loose.update(x, x, 0)
+    loose.update(step, step, 0)  # the user skipped the checks: stored as it comes
+    assert loose.get_seq_length(0) == 192

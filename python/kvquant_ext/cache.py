@@ -15,12 +15,14 @@ class LayerCache:
     streams do not check for NaN/Inf themselves: :meth:`KVCache.update` checks key and
     value together before appending either."""
 
-    def __init__(self, config: CompressionConfig, layer_idx: int, num_layers: Optional[int] = None):
+    def __init__(self, config: CompressionConfig, layer_idx: int, num_layers: Optional[int] = None,
+                 check_outputs: bool = True):
         if config.skips_layer(layer_idx, num_layers):  # skip_layers: kept in full precision
             self.key, self.value = FullPrecisionStream(), FullPrecisionStream()
-            return
-        self.key = config.new_stream("key", check_finite=False, layer_idx=layer_idx)
-        self.value = config.new_stream("value", check_finite=False, layer_idx=layer_idx)
+        else:
+            self.key = config.new_stream("key", check_finite=False, layer_idx=layer_idx)
+            self.value = config.new_stream("value", check_finite=False, layer_idx=layer_idx)
+        self.key.check_outputs = self.value.check_outputs = check_outputs
 
 
 class KVCache:
@@ -55,13 +57,13 @@ class KVCache:
         if not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"argument 'layer_idx' must be a non-negative int, got {layer_idx!r}")
         while len(self.layers) <= layer_idx:
-            self.layers.append(LayerCache(self.config, len(self.layers), self.num_layers_hint))
+            self.layers.append(LayerCache(self.config, len(self.layers), self.num_layers_hint, self.check_finite))
         return self.layers[layer_idx]
 
     def reset(self, layer_idx: int) -> None:
         """Empty layer ``layer_idx`` (its new streams are built for that layer index)."""
         self._layer(layer_idx)
-        self.layers[layer_idx] = LayerCache(self.config, layer_idx, self.num_layers_hint)
+        self.layers[layer_idx] = LayerCache(self.config, layer_idx, self.num_layers_hint, self.check_finite)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> None:
         """Append ``key``/``value`` tokens ``[B, H, t, D]`` to layer ``layer_idx``."""
@@ -78,8 +80,11 @@ class KVCache:
         layer.value.validate(value, "value")
         if self.check_finite:
             self._check_values(key, value, layer)
-        layer.key.append(key, "key")
-        layer.value.append(value, "value")
+        # both roles' compression first, then both commits: a refused block leaves the layer as it was
+        commit_key = layer.key.prepare(key, "key")
+        commit_value = layer.value.prepare(value, "value")
+        commit_key()
+        commit_value()
 
     @staticmethod
     def _check_values(key: torch.Tensor, value: torch.Tensor, layer: "LayerCache") -> None:

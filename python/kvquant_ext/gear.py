@@ -18,7 +18,7 @@ import torch
 from . import _ops
 from .compressed import Compressed, check_cache_tensor
 from .config import GEARConfig, QuantSpec, _check_role, register_format
-from .streams import Growable, Stream
+from .streams import Growable, Stream, check_head_dim
 
 _FIELDS = ("codes", "scale", "zero", "outlier_values", "outlier_indices", "A", "B")
 
@@ -79,7 +79,22 @@ class GEARCompressed(Compressed):
         out = _ops.gear_decompress(f["codes"], f["scale"], f["zero"], f["outlier_values"],
                                    f["outlier_indices"], f["A"], f["B"], self.spec.bits,
                                    self.spec.per_channel, self.dtype)
+        if self.dtype == torch.float16:
+            out = self._saturate(out)
         return out if self.tail is None else torch.cat([out, self.tail], dim=2)
+
+    def _saturate(self, out: torch.Tensor) -> torch.Tensor:
+        """Backbone + low rank may land past fp16's range next to an input entry near +-65504:
+        such an entry saturates at +-65504 instead of becoming an infinity; a stored infinite
+        outlier (check_finite=False) stays infinite, NaN stays NaN."""
+        inf = out.isinf()
+        if not bool(inf.any()):  # one host sync, on this dequantize path only
+            return out
+        keep = torch.zeros_like(inf)
+        ov, oi = self.fields["outlier_values"], self.fields["outlier_indices"]
+        if ov.numel():
+            (keep.transpose(-1, -2) if self.spec.per_channel else keep).scatter_(-1, oi.long(), ov.isinf())
+        return torch.where(inf & ~keep, out.sign() * 65504.0, out).to(out.dtype)
 
     def tensors(self):
         d = dict(self.fields)
@@ -235,13 +250,22 @@ class GEARStream(Stream):
             return ntok
         return 1 if G == -1 else ntok // G
 
-    def _compress_block(self, x: torch.Tensor, rank: int) -> None:
+    def validate(self, x: torch.Tensor, name: str) -> None:
+        super().validate(x, name)
+        check_head_dim(x, name, self.config.value_spec())
+
+    def _compress_block(self, x: torch.Tensor, rank: int, name: str = "x"):
+        """Compress one block without changing the stream: what :meth:`_store_block` stores.
+        With ``check_outputs`` a block whose low-rank factors overflow fp16 is refused."""
         blk = GEARCompressed.from_tensor(x, self.config, self.role, rank=rank,
                                          check_finite=self.check_finite)
         assert blk.tail is None  # blocks are whole KIVI groups
         f = blk.fields
-        for name in ("codes", "scale", "zero"):
-            getattr(self, name).append(f[name])
+        if self.check_outputs and blk.rank > 0 and not bool(torch.isfinite(f["A"]).all()
+                                                            & torch.isfinite(f["B"]).all()):
+            raise ValueError(f"argument '{name}': its quantization residual is too large for fp16 "
+                             "low-rank factors (a singular value above 65504); use a rank-0 "
+                             "config or rescale the input (cache check_finite=True)")
         ov, oi, off = f["outlier_values"], f["outlier_indices"], None
         od = outlier_corrections(f, self.spec.per_channel, x.dtype) if self._fused else None
         if self.spec.per_channel:
@@ -249,8 +273,14 @@ class GEARStream(Stream):
                 ov, oi, off, od = _tile_sort(ov, oi, x.shape[2], od)
             else:                  # KCVT backbone (no fused kernel): per channel, one set per block
                 ov, oi = ov.unsqueeze(2), oi.unsqueeze(2)
+        return x.shape[2], f, ov, oi, off, od
+
+    def _store_block(self, block) -> None:
+        ntok, f, ov, oi, off, od = block
+        for name in ("codes", "scale", "zero"):
+            getattr(self, name).append(f[name])
         if self.T0 == 0 and self.num_decode_blocks == 0 and not self.prefilled:
-            self.T0 = x.shape[2]
+            self.T0 = ntok
             self.A0, self.B0 = f["A"], f["B"]
             self.ov0, self.oi0, self.off0, self.od0 = ov, oi, off, od
             return
@@ -264,12 +294,15 @@ class GEARStream(Stream):
         if od is not None:
             self.od1.append(od)  # the layout of ov
 
-    def append(self, x, name="x"):
+    def prepare(self, x, name="x"):
+        """Compress the blocks an append of ``x`` completes, without changing the stream, and
+        return the commit that stores them (so a cache can refuse a block of either role
+        before it stores anything)."""
         self._check(x, name)
         if self.check_finite and not torch.isfinite(x).all():
             raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
         full = x if self.buffer is None else torch.cat([self.buffer, x], dim=2)
-        start = 0
+        start, blocks, prefill = 0, [], False
         W = self.config.recent_window
         if not self.prefilled and full.shape[2] > 0:
             # Prefill: one block at the prefill rank (whole KIVI groups, both roles) over the
@@ -277,16 +310,27 @@ class GEARStream(Stream):
             n = max(full.shape[2] - W, 0)
             n -= n % self.prefill_align
             if n:
-                self._compress_block(full[:, :, :n], self.config.rank)
-            start = n
-            self.prefilled = True
+                blocks.append(self._compress_block(full[:, :, :n], self.config.rank, name))
+            start, prefill = n, True
         else:
             # a block of n_b tokens is compressed once all of them are older than the window
             nb = self.config.buffer_length
             while full.shape[2] - start >= nb + W:
-                self._compress_block(full[:, :, start:start + nb], self.config.rank_decode)
+                blocks.append(self._compress_block(full[:, :, start:start + nb], self.config.rank_decode,
+                                                   name))
                 start += nb
-        self.buffer = full[:, :, start:].contiguous()
+        rest = full[:, :, start:].contiguous()
+
+        def commit():
+            for blk in blocks:
+                self._store_block(blk)
+            if prefill:
+                self.prefilled = True
+            self.buffer = rest
+        return commit
+
+    def append(self, x, name="x"):
+        self.prepare(x, name)()
 
     # -- views ------------------------------------------------------------------
     @property

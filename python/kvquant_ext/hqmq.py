@@ -122,16 +122,21 @@ class HQMQStream(Stream):
     their offsets; the index costs 64 bits per (tile, row) and is counted in ``nbytes``."""
 
     def magnitude(self, x: torch.Tensor) -> torch.Tensor:
-        """Without Med3x outliers every chunk's radius is stored against the token's fp16 radius
-        scale, so the bound is on the largest 4-element chunk norm; with them a chunk above the
-        threshold is stored exactly (fp16 values), so on the entries."""
-        if self.config.outlier_factor is not None or x.numel() == 0:
+        """Every chunk coded by direction and radius is stored against the token's fp16 radius
+        scale, so the bound is on those chunks' norms; with Med3x a chunk above the threshold
+        is stored exactly (fp16 values), so on its entries instead: the larger of the two."""
+        if x.numel() == 0:
             return super().magnitude(x)
-        return torch.linalg.vector_norm(x.float().unflatten(-1, (-1, 4)), dim=-1).amax()
+        norms = torch.linalg.vector_norm(x.float().unflatten(-1, (-1, 4)), dim=-1)  # [B, H, T, D/4]
+        if self.config.outlier_factor is None:
+            return norms.amax()
+        thr = self.threshold if self.threshold is not None else med3_threshold(x, self.config.outlier_factor)
+        coded = torch.where(norms > thr.view(1, -1, 1, 1), torch.zeros_like(norms), norms)
+        return torch.maximum(coded.amax(), super().magnitude(x))
 
     @property
     def magnitude_what(self) -> str:
-        return ("entries with magnitude" if self.config.outlier_factor is not None
+        return ("entries or coded 4-element chunk norms with magnitude" if self.config.outlier_factor is not None
                 else "4-element chunks with norm")
 
     def __init__(self, config, role: str, *, layer_idx: int = 0, check_finite: bool = True):

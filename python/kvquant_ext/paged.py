@@ -10,6 +10,8 @@ padding slots may point there, and no sequence ever owns it.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -18,6 +20,7 @@ import torch
 from . import _ops
 from ._build_config import DTYPES_TEXT, HEAD_DIMS, HEAD_DIMS_TEXT
 from .config import CompressionConfig, FP16Config, GroupQuantBase, QuantSpec, get_config
+from .streams import max_abs_of
 
 __all__ = ["PagedKVCache"]
 
@@ -214,8 +217,15 @@ class PagedKVCache:
         T = k.shape[2]
         if T == 0 or not seq_ids:
             return
-        if self.check_finite and not bool(torch.isfinite(k).all() & torch.isfinite(v).all()):
-            raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")
+        if self.check_finite:
+            # compressed pages hold fp16 scales / zero points: |x| <= 65504 (one reduction, one sync)
+            m = float(torch.maximum(max_abs_of(k), max_abs_of(v)))
+            if not math.isfinite(m):
+                raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")
+            if self.kspec is not None and m > 65504.0:
+                name = "k" if float(max_abs_of(k)) > 65504.0 else "v"
+                raise ValueError(f"argument '{name}' has entries with magnitude above 65504, which the "
+                                 "compressed pages' fp16 scales cannot represent (cache check_finite=True)")
         self._reserve(layer, seq_ids, T)
         P = self.page_size
         # rounds: each takes at most `step` tokens per sequence, so that its full-precision pages fit
@@ -353,10 +363,11 @@ class PagedKVCache:
             out, lse = run(q)
             return (out, lse) if return_lse else out
         outs, lses = [], []
-        for j in range(0, g, 8):  # passes of 8 query heads
-            o, l = run(q.view(n, H, g, self.head_dim)[:, :, j:j + 8].reshape(n, H * 8, -1))
-            outs.append(o.view(n, H, 8, -1))
-            lses.append(l.view(n, H, 8))
+        for j in range(0, g, 8):  # passes of <= 8 query heads
+            m = min(8, g - j)
+            o, l = run(q.view(n, H, g, self.head_dim)[:, :, j:j + m].reshape(n, H * m, -1))
+            outs.append(o.view(n, H, m, -1))
+            lses.append(l.view(n, H, m))
         out = torch.cat(outs, dim=2).reshape(q.shape)
         if not return_lse:
             return out

@@ -12,6 +12,7 @@ from typing import Dict, Optional
 import torch
 
 from . import _ops
+from ._build_config import HEAD_DIMS, HEAD_DIMS_TEXT
 from .compressed import FullPrecision, GroupQuantized, check_cache_tensor
 from .config import FP16Config, GroupQuantBase, QuantSpec, register_format
 
@@ -52,6 +53,18 @@ class Growable:
             self.append(t)
 
 
+def check_head_dim(x: torch.Tensor, name: str, spec: Optional[QuantSpec] = None) -> None:
+    """Refuse a head dim the compressed formats cannot store (before anything is appended):
+    one of the supported head dims, divisible by a per-token ``spec``'s channel group."""
+    D = x.shape[-1]
+    if D not in HEAD_DIMS:
+        raise ValueError(f"argument '{name}' has head dim {D}; this cache's format supports "
+                         f"{HEAD_DIMS_TEXT}")
+    if spec is not None and not spec.per_channel and spec.group_size != -1 and D % spec.group_size:
+        raise ValueError(f"argument '{name}' has head dim {D}, not a multiple of the format's "
+                         f"group of {spec.group_size} channels per token")
+
+
 def max_abs_of(t: torch.Tensor) -> torch.Tensor:
     """max |t| as an fp32 scalar tensor (NaN if ``t`` has a NaN; 0 if it is empty)."""
     if t.numel() == 0:
@@ -69,6 +82,9 @@ class Stream:
     max_abs: float = 65504.0
     #: what ``magnitude`` measures, for the error message
     magnitude_what: str = "entries with magnitude"
+    #: refuse a block whose compressed form cannot represent what was appended (GEAR's fp16
+    #: low-rank factors); a cache sets it from its ``check_finite``
+    check_outputs: bool = True
 
     def magnitude(self, x: torch.Tensor) -> torch.Tensor:
         """The quantity ``max_abs`` bounds, over ``x`` (fp32 scalar; NaN if ``x`` has one): max |x|."""
@@ -101,6 +117,12 @@ class Stream:
 
     def append(self, x: torch.Tensor, name: str = "x") -> None:
         raise NotImplementedError  # pragma: no cover
+
+    def prepare(self, x: torch.Tensor, name: str = "x"):
+        """The commit of an append of ``x``: a stream whose append can still fail after
+        :meth:`validate` (e.g. on what it compresses) does that work here, without changing
+        state, so that a cache can prepare keys and values before committing either."""
+        return lambda: self.append(x, name)
 
     def dequantize(self) -> torch.Tensor:
         raise NotImplementedError  # pragma: no cover
@@ -167,6 +189,10 @@ class _QuantStream(Stream):
         self.W = recent_window
         self.codes, self.scale, self.zero = Growable(), Growable(), Growable()
         self.residual: Optional[torch.Tensor] = None
+
+    def validate(self, x: torch.Tensor, name: str) -> None:
+        super().validate(x, name)
+        check_head_dim(x, name, self.spec)
 
     def _quantize_into_store(self, x: torch.Tensor) -> None:
         c, s, z = _ops.quantize(x, self.spec.bits, self.spec.group_size, self.spec.per_channel,
@@ -270,6 +296,9 @@ class FifoStream(_QuantStream):
 
 # ----------------------------------------------------------------------------- formats
 def _fp16_compress(x, config, role, *, layer_idx=0, check_finite=True):
+    check_cache_tensor(x)
+    if check_finite and not torch.isfinite(x).all():
+        raise ValueError("argument 'x' contains NaN or Inf")
     return FullPrecision(x)
 
 
