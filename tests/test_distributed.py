@@ -77,7 +77,7 @@ def test_tensor_parallel_generate_equals_single_process(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     out = tmp_path / "out"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")  # gloo on CPU, also on a GPU machine
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(29500 + os.getpid() % 1000), str(script), str(tmp_path), str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
