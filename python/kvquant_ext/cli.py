@@ -408,7 +408,9 @@ def _score_chunks(model, ids: torch.Tensor, prefill: int, continuation: int, chu
     next-token log-probabilities ``[continuation, V]``), ``kld`` = mean KL(reference ‖ this run)
     and ``top1`` = the fraction of positions whose most likely token is the reference's;
     ``log_probs`` (``[continuation, V]`` float32) only when ``ref_lp`` is None."""
-    nll, kld, top1, n = 0.0, 0.0, 0, 0
+    # sums stay on the device (one host read at the end, not three per chunk)
+    nll = kld = top1 = torch.zeros((), dtype=torch.float64, device=ids.device)
+    n = 0
     keep = [] if ref_lp is None else None
     end = prefill + continuation
     bar = _progress(total=continuation, desc=desc, disable=quiet, leave=False)
@@ -419,17 +421,18 @@ def _score_chunks(model, ids: torch.Tensor, prefill: int, continuation: int, chu
             out = _forward(model, ids[:, pos:pos + step], cache)
             lp = torch.log_softmax(out.logits[0].float(), dim=-1)  # [step, V]
             target = ids[0, pos + 1:pos + 1 + step]
-            nll -= lp.gather(1, target[:, None]).sum().item()
+            nll = nll - lp.gather(1, target[:, None]).sum()
             if ref_lp is None:
                 keep.append(lp)
             else:
                 ref = ref_lp[n:n + step]
-                kld += torch.sum(ref.exp() * (ref - lp)).item()
-                top1 += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+                kld = kld + torch.sum(ref.exp() * (ref - lp))
+                top1 = top1 + (lp.argmax(-1) == ref.argmax(-1)).sum()
             n += step
             pos += step
             bar.update(step)
     bar.close()
+    nll, kld, top1 = torch.stack([nll, kld, top1]).tolist()
     scores = {"ppl": math.exp(nll / max(n, 1))}
     if ref_lp is not None:
         scores.update(kld=max(kld, 0.0) / max(n, 1), top1=top1 / max(n, 1))

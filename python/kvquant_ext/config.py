@@ -88,7 +88,7 @@ class QuantSpec:
                     f"argument 'group_size' must be a power of two >= 8 for per-token grouping, got {g}")
 
 
-def _check_window(config: "CompressionConfig") -> None:
+def _check_common_fields(config: "CompressionConfig") -> None:
     """Validate the fields every config has (``recent_window``, ``skip_layers``)."""
     W = config.recent_window
     if isinstance(W, bool) or not isinstance(W, int) or W < 0:
@@ -135,7 +135,7 @@ class CompressionConfig:
         return any(i % num_layers == layer_idx for i in self.skip_layers if -num_layers <= i < num_layers)
 
     def __post_init__(self):
-        _check_window(self)
+        _check_common_fields(self)
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -188,7 +188,7 @@ class GroupQuantBase(CompressionConfig):
     method: ClassVar[str] = "group"
 
     def __post_init__(self):
-        _check_window(self)
+        _check_common_fields(self)
         ks, vs = self.key_spec(), self.value_spec()  # validates
         R = self.residual_length
         if isinstance(R, bool) or not isinstance(R, int) or R < 0:
@@ -342,7 +342,7 @@ class HQMQConfig(CompressionConfig):
     method: ClassVar[str] = "hqmq"
 
     def __post_init__(self):
-        _check_window(self)
+        _check_common_fields(self)
         s, b, f = self.secondary_size, self.radius_bits, self.outlier_factor
         if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 2048:
             raise ValueError(f"argument 'secondary_size' must be an int in 1..2048, got {s!r}")
@@ -397,7 +397,7 @@ class GEARConfig(CompressionConfig):
     method: ClassVar[str] = "gear"
 
     def __post_init__(self):
-        _check_window(self)
+        _check_common_fields(self)
         if self.backbone not in ("kivi", "kcvt"):
             raise ValueError(f"argument 'backbone' must be 'kivi' or 'kcvt', got {self.backbone!r}")
         self.key_spec()  # validates bits / group_size

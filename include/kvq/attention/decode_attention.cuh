@@ -1297,14 +1297,18 @@ __device__ __forceinline__ void load_quant_row(const QuantKV& s, int64_t pb, int
            half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.zero) + si));
   }
 }
+/// This lane's D / 32 elements (channels lane * D / 32 ..) of a full-precision row of D elements.
+template <typename DType, int D>
+__device__ __forceinline__ void load_fp_row(const DType* r, int lane, float (&x)[D / 32]) {
+  constexpr int EPL = D / 32;
+#pragma unroll
+  for (int e = 0; e < EPL; ++e) x[e] = to_float(r[lane * EPL + e]);
+}
 /// This lane's D / 32 elements of row `row` of batch (or page) `pb` of the full-precision store.
 template <typename DType, int D>
 __device__ __forceinline__ void load_residual_row(const QuantKV& s, int64_t pb, int64_t h, int64_t row, int lane,
                                                   float (&x)[D / 32]) {
-  constexpr int EPL = D / 32;
-  const DType* r = static_cast<const DType*>(s.residual) + pb * s.res_sb + h * s.res_sh + row * D;
-#pragma unroll
-  for (int e = 0; e < EPL; ++e) x[e] = to_float(r[lane * EPL + e]);
+  load_fp_row<DType, D>(static_cast<const DType*>(s.residual) + pb * s.res_sb + h * s.res_sh + row * D, lane, x);
 }
 template <typename DType, int D>
 __device__ __forceinline__ void load_token(const QuantKV& s, int64_t b, int64_t h, int64_t t, int lane,

@@ -897,10 +897,10 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
           hqmq_load_token<D>(p, p.v, b, h, t, lane, vx);
         } else {  // the recent window: full-precision rows
           const int64_t r = t - p.Tc;
-          const DType* kr = static_cast<const DType*>(p.k.residual) + b * p.k.res_sb + h * p.k.res_sh + r * D;
-          const DType* vr = static_cast<const DType*>(p.v.residual) + b * p.v.res_sb + h * p.v.res_sh + r * D;
-#pragma unroll
-          for (int e = 0; e < D / 32; ++e) kx[e] = to_float(kr[lane * (D / 32) + e]), vx[e] = to_float(vr[lane * (D / 32) + e]);
+          load_fp_row<DType, D>(static_cast<const DType*>(p.k.residual) + b * p.k.res_sb + h * p.k.res_sh + r * D,
+                                lane, kx);
+          load_fp_row<DType, D>(static_cast<const DType*>(p.v.residual) + b * p.v.res_sb + h * p.v.res_sh + r * D,
+                                lane, vx);
         }
       };
       // heads in passes of <= 8 (independent softmax states; register arrays of 16 heads
