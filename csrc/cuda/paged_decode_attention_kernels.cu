@@ -24,6 +24,21 @@ bool paged_decode_attention_mma_ok(const DecodeAttnParams& p, DTypeId dtype) {
   return decode_attention_mma_ok(p);
 }
 
+/// fp16 full-precision pages on the tensor cores: fp16 caches without a compressed pool, the
+/// query heads of a KV head within the 8 mma columns, 16-byte aligned page rows.
+static bool paged_fp_tiles_ok(const DecodeAttnParams& p, DTypeId dtype) {
+  return dtype == DTypeId::kFloat16 && p.k.codes == nullptr && (p.D == 64 || p.D == 128 || p.D == 256) &&
+         p.Hq / p.H <= 8 && p.paged.page_shift >= 5 && aligned16(p.k.residual, p.k.res_sb, p.k.res_sh, 2) &&
+         aligned16(p.v.residual, p.v.res_sb, p.v.res_sh, 2);
+}
+
+#define KVQ_PAGED_FPT(EXPR)              \
+  switch (p.D) {                         \
+    case 64: return EXPR(64);            \
+    case 128: return EXPR(128);          \
+    default: return EXPR(256);           \
+  }
+
 cudaError_t paged_decode_plan_cuda(const int32_t* seq_lens, const int32_t* comp_lens, int64_t num_seqs,
                                    int64_t max_items, int32_t* work, cudaStream_t stream) {
   if (max_items < paged_min_items(num_seqs)) return cudaErrorInvalidValue;
@@ -34,6 +49,11 @@ cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype
   if (p.paged.block_table == nullptr || p.paged.work == nullptr) return cudaErrorInvalidValue;
   if (paged_decode_attention_mma_ok(p, dtype)) {
     KVQ_SWITCH_CODE_BITS(p.k.bits, paged_decode_attention_mma, cudaErrorInvalidValue, p, dtype, stream)
+  }
+  if (paged_fp_tiles_ok(p, dtype)) {
+#define KVQ_LAUNCH_FPT(D) LaunchPagedDecodeAttention<half_t, D, 2, true, false, 0, true>(p, stream)
+    KVQ_PAGED_FPT(KVQ_LAUNCH_FPT)
+#undef KVQ_LAUNCH_FPT
   }
 #define KVQ_LAUNCH(D) \
   (D == 0 ? cudaErrorInvalidValue : LaunchPagedDecodeAttention<DType, (D == 0 ? 32 : D), 2, true, false>(p, stream))

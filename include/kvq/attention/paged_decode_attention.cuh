@@ -90,10 +90,152 @@ inline cudaError_t LaunchPagedDecodePlan(const int32_t* seq_lens, const int32_t*
   return cudaGetLastError();
 }
 
+/// \brief Per-warp ring of the full-precision tile path: K and V tiles of 32 tokens, rows padded
+/// by 16 bytes so that the 8 rows of an ldmatrix land in distinct banks.
+template <int D>
+struct FpTiles {
+  static constexpr int ROW = 2 * D + 16;           // bytes per padded fp16 row
+  static constexpr int ROLE = kTile * ROW;         // one role's tile
+  static constexpr int STAGE = 2 * ROLE;           // K then V
+  static constexpr int STAGES = D <= 128 ? 2 : 1;  // 4 warps x ring <= 140 KB
+  static constexpr int RING = STAGES * STAGE;
+};
+
+/// Bytes of one warp's region in a paged split kernel (its slot and ring).
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool FPT>
+KVQ_HOST_DEVICE constexpr size_t paged_warp_region_bytes(int g) {
+  if constexpr (FPT) {
+    const size_t slot = sizeof(float) * (size_t)kMmaMaxGroup * (D + 2);
+    return ((size_t)FpTiles<D>::RING > slot ? (size_t)FpTiles<D>::RING : slot + 15) / 16 * 16;
+  } else {
+    return warp_region_bytes<D, BITS, KPC, MMA, false, sizeof(DType)>(g);
+  }
+}
+
+/// \brief Full-precision fp16 pages on the tensor cores: tokens [t_begin, t_end) (whole 32-token
+/// tiles, t_begin a multiple of 32) of (sequence s, KV head h), this warp's tiles
+/// t_begin + (warp + kWarps k) 32.  Scores S^T = K (q / max|q|)^T and O^T += V^T P^T by m16n8k16
+/// mma with the K and V A-fragments loaded by ldmatrix (.trans for V) from the tile, the g <= 8
+/// query heads as the N columns; the online softmax of tile_online_softmax.  Leaves the warp's
+/// (m, l, acc) in `slot` (which aliases the start of `ring`).
+template <int D>
+__device__ void warp_mma_fp_pages(const DecodeAttnParams& p, int64_t s, int64_t h, int g, int64_t t_begin,
+                                  int64_t t_end, int warp, float* slot, char* ring) {
+  using FT = FpTiles<D>;
+  constexpr int NK = D / 16, MV = D / 16, CPR = 2 * D / 16;  // k-steps, m-tiles, 16-byte chunks per row
+  constexpr int64_t kStep = (int64_t)kWarps * kTile;
+  const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3, lj = lane >> 3, lr = lane & 7;
+  const half_t* q = static_cast<const half_t*>(p.q) + (s * p.Hq + h * g) * D;
+  const int32_t* bt = p.paged.block_table + s * p.paged.bt_stride;
+  const int ps = p.paged.page_shift, pm = (1 << ps) - 1;
+  const char* kb = static_cast<const char*>(p.k.residual);
+  const char* vb = static_cast<const char*>(p.v.residual);
+  const int64_t first = t_begin + warp * kTile;
+  const int ntiles = first < t_end ? (int)((t_end - first + kStep - 1) / kStep) : 0;
+  auto issue = [&](int k) {
+    if (k < ntiles) {
+      const int64_t t0 = first + (int64_t)k * kStep;
+      const int64_t pg = __ldg(bt + (int)(t0 >> ps));
+      const int r = (int)t0 & pm;
+      const int64_t ko = 2 * (pg * p.k.res_sb + h * p.k.res_sh + (int64_t)r * D);
+      const int64_t vo = 2 * (pg * p.v.res_sb + h * p.v.res_sh + (int64_t)r * D);
+      char* st = ring + (k % FT::STAGES) * FT::STAGE;
+#pragma unroll
+      for (int x = lane; x < kTile * CPR; x += 32) {
+        const int row = x / CPR, col = x % CPR;
+        cp_async16(st + row * FT::ROW + col * 16, kb + ko + x * 16);
+        cp_async16(st + FT::ROLE + row * FT::ROW + col * 16, vb + vo + x * 16);
+      }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int k = 0; k < FT::STAGES - 1; ++k) issue(k);
+  // q^T B-fragments (natural channel order), normalised per head so fp16 cannot overflow
+  float qm = 0.f;
+  if (i < g)
+#pragma unroll
+    for (int kk = 0; kk < NK; ++kk)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) qm = fmaxf(qm, fabsf(to_float(q[i * D + 16 * kk + 2 * c + (u & 1) + 8 * (u >> 1)])));
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 1));
+  qm = fmaxf(qm, __shfl_xor_sync(0xffffffffu, qm, 2));
+  qm = qm > 0.f ? qm : 1.f;
+  const float rq = 1.f / qm;
+  uint32_t qb[NK][2];
+#pragma unroll
+  for (int kk = 0; kk < NK; ++kk)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int ch = 16 * kk + 2 * c + 8 * r;
+      qb[kk][r] = i < g ? pack_half2(to_float(q[i * D + ch]) * rq, to_float(q[i * D + ch + 1]) * rq) : 0u;
+    }
+  const float sl = p.scale * kLog2e;
+  const float sfA = __shfl_sync(0xffffffffu, qm, (2 * c) * 4) * sl;
+  const float sfB = __shfl_sync(0xffffffffu, qm, (2 * c + 1) * 4) * sl;
+  float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
+  float acc[MV][4];
+#pragma unroll
+  for (int n = 0; n < MV; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.f;
+  for (int k = 0; k < ntiles; ++k) {
+    issue(k + FT::STAGES - 1);
+    cp_async_wait<FT::STAGES - 1>();
+    __syncwarp();
+    const unsigned sk = (unsigned)__cvta_generic_to_shared(ring + (k % FT::STAGES) * FT::STAGE);
+    const unsigned sv = sk + FT::ROLE;
+    float sc[2][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[mt][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < NK; ++kk) {
+        uint32_t a[4];  // rows = tokens 16 mt + (lr, lr + 8), cols = channels 16 kk + (0..7, 8..15)
+        ldmatrix_x4<false>(a, sk + (16 * mt + lr + 8 * (lj & 1)) * FT::ROW + (16 * kk + 8 * (lj >> 1)) * 2);
+        mma16816(sc[mt], a, qb[kk][0], qb[kk][1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sc[mt][e] *= (e & 1) ? sfB : sfA;
+    }
+    float alA, alB;
+    tile_online_softmax(sc, nullptr, i, mA, mB, lA, lB, alA, alB);
+#pragma unroll
+    for (int n = 0; n < MV; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[n][e] *= (e & 1) ? alB : alA;
+    uint32_t pt[2][2];
+    tile_pt_fragments(sc, pt);
+#pragma unroll
+    for (int M = 0; M < MV; ++M)
+#pragma unroll
+      for (int kst = 0; kst < 2; ++kst) {
+        uint32_t a[4];  // V^T: rows = channels 16 M + (0..7, 8..15), cols = tokens 16 kst + (0..7, 8..15)
+        ldmatrix_x4<true>(a, sv + (16 * kst + lr + 8 * (lj >> 1)) * FT::ROW + (16 * M + 8 * (lj & 1)) * 2);
+        mma16816(acc[M], a, pt[kst][0], pt[kst][1]);
+      }
+    __syncwarp();  // this stage is read before it is refilled
+  }
+  cp_async_wait<0>();
+  __syncwarp();
+  warp_store_ml(slot, D, g, i, c, mA, mB, lA, lB);
+#pragma unroll
+  for (int M = 0; M < MV; ++M)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int head = 2 * c + (e & 1);
+      if (head < g) slot[head * (D + 2) + 2 + 16 * M + i + 8 * (e >> 1)] = acc[M][e];
+    }
+  __syncwarp();
+}
+
 /// \brief Split kernel: CTA (h = blockIdx.x, item = blockIdx.y).  MMA: compressed tokens on
 /// the tensor cores (decode_attention_mma_ok holds for p); otherwise every token goes through
-/// the CUDA-core loop (up to kMaxGroup query heads per KV head).
-template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0>
+/// the CUDA-core loop (up to kMaxGroup query heads per KV head).  FPT (fp16 pages, no compressed
+/// pool, g <= 8): whole full-precision tiles on the tensor cores (warp_mma_fp_pages), the last
+/// partial tile of a sequence through the CUDA-core loop.
+template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0, bool FPT = false>
 __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1) PagedDecodeAttentionKernel(DecodeAttnParams p) {
   pdl_allow_dependents();
   const int32_t* work = p.paged.work;
@@ -107,8 +249,8 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1) PagedDec
   const int g = (int)(p.Hq / p.H);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
-  const size_t qbytes = head_region_bytes<MMA, false>(g, D);
-  const size_t wbytes = warp_region_bytes<D, BITS, KPC, MMA, false, sizeof(DType)>(g);
+  const size_t qbytes = head_region_bytes<MMA || FPT, false>(g, D);
+  const size_t wbytes = paged_warp_region_bytes<DType, D, BITS, KPC, MMA, FPT>(g);
   char* region = smem + qbytes + warp * wbytes;
   float* slot = reinterpret_cast<float*>(region);
   const int64_t m_end = MMA ? (t_end < comp ? t_end : comp) : t_begin;
@@ -120,11 +262,19 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1) PagedDec
       have_mma = true;
     }
   }
+  int64_t a = m_end > t_begin ? m_end : t_begin;  // past the tensor-core part
+  if constexpr (FPT) {
+    const int64_t f_end = a + (t_end - a) / kTile * kTile;  // whole tiles
+    if (a < f_end) {
+      warp_mma_fp_pages<D>(p, s, h, g, a, f_end, warp, slot, region);
+      have_mma = true;
+      a = f_end;
+    }
+  }
   if (!have_mma) {
     for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
     __syncwarp();
   }
-  const int64_t a = m_end > t_begin ? m_end : t_begin;  // past the tensor-core part
   if (a < t_end) {  // uniform per CTA: the rest of the range, split over the warps
     const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
     for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
@@ -133,9 +283,9 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1) PagedDec
     const int64_t wa = a + warp * per, we = wa + per < t_end ? wa + per : t_end;
     const int32_t* bt = p.paged.block_table + s * p.paged.bt_stride;
     const int ps = p.paged.page_shift, pm = (1 << ps) - 1;
-    constexpr int kChunk = MMA ? generic_chunk<D>() : (generic_chunk<D>() + 1) / 2;
+    constexpr int kChunk = MMA || FPT ? generic_chunk<D>() : (generic_chunk<D>() + 1) / 2;
     if (wa < we)
-      warp_generic_loop<D, MMA ? 8 : kMaxGroup, kChunk>(
+      warp_generic_loop<D, MMA || FPT ? 8 : kMaxGroup, kChunk>(
           nullptr, 0, p.scale, s, g, wa, we, slot, s_q, [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
             const int64_t pg = __ldg(bt + (int)(t >> ps));
             const int r = (int)t & pm;
@@ -190,19 +340,22 @@ __global__ void PagedDecodeCombineKernel(const float* ws, const int32_t* work, v
   if (x == 0 && lse != nullptr) lse[s * Hq + hq] = L > 0.f ? (M + log2f(L)) * 0.69314718055994531f : -INFINITY;
 }
 
-/// \brief Shared memory of a paged split kernel instantiation (as the contiguous one, no GEAR).
-template <typename DType, int D, int BITS, bool KPC, bool MMA>
+/// \brief Shared memory of a paged split kernel instantiation: the contiguous kernel's layout
+/// (no GEAR), or with FPT q and per warp the full-precision tile ring.
+template <typename DType, int D, int BITS, bool KPC, bool MMA, bool FPT = false>
 size_t paged_decode_smem_bytes(int g) {
+  if constexpr (FPT)
+    return head_region_bytes<true, false>(g, D) + kWarps * paged_warp_region_bytes<DType, D, BITS, KPC, MMA, FPT>(g);
   return decode_attention_smem_bytes<D, BITS, KPC, MMA, false, sizeof(DType)>(g);
 }
 
 /// \brief Split kernel + combine for one instantiation.  p.paged.work holds the plan; p.ws
 /// Hq * max_items * (D + 2) floats (16-byte aligned).
-template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0>
+template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0, bool FPT = false>
 cudaError_t LaunchPagedDecodeAttention(const DecodeAttnParams& p, cudaStream_t stream) {
-  auto kernel = PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV>;
+  auto kernel = PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV, FPT>;
   const int g = (int)(p.Hq / p.H);
-  const size_t smem = paged_decode_smem_bytes<DType, D, BITS, KPC, MMA>(g);
+  const size_t smem = paged_decode_smem_bytes<DType, D, BITS, KPC, MMA, FPT>(g);
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
