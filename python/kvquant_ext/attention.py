@@ -68,7 +68,7 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
         attn_mask = attn_mask.to(device=q.device, dtype=torch.bool)
     if scale is None:
         scale = 1.0 / math.sqrt(D)
-    qc = q4.reshape(B, Hq, D).to(kst.dtype)
+    qc = q if squeeze else q4.reshape(B, Hq, D)
 
     g = Hq // H
     path = _path(kst, vst, qc)
@@ -118,7 +118,6 @@ def decode_attention(q: torch.Tensor, cache, layer_idx: int, scale: Optional[flo
                           "the layer each call", RuntimeWarning, stacklevel=2)
         K, V = cache.dequantize(layer_idx)
         out = _sdpa(qc, K, V, scale, attn_mask, Hq != H)
-    out = out.to(q.dtype)
     return out if squeeze else out.unsqueeze(2)
 
 

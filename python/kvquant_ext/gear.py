@@ -416,7 +416,7 @@ class GEARStream(Stream):
             scale = zero = torch.empty((B, H, 0, ng), dtype=torch.float16, device=dev)
         else:
             scale, zero = self.scale.view(), self.zero.view()
-        residual = self.buffer if self.buffer is not None else self._empty()
+        residual = self.buffer if self.buffer is not None else self._no_data()
         e = torch.empty(0, device=dev)
         gear = [self.A0, self.B0, self.ov0, self.oi0, self.off0, self.od0, self.A1.view(),
                 self.B1.view(), self.ov1.view(), self.oi1.view(), self.off1.view(), self.od1.view()]

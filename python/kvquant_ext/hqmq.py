@@ -228,21 +228,19 @@ class HQMQStream(Stream):
         without Med3x); the recent window is :meth:`residual_operand`."""
         rec = self._records()
         ptr = self.outlier_ptr.view()
-        if ptr is None:
-            ptr = torch.empty((0,), dtype=torch.int64, device=self.device)
+        ptr = self._no_data((0,), torch.int64) if ptr is None else ptr.reshape(-1)
         codes, scale = self.codes.view(), self.scale.view()
         if codes is None:  # every token so far is in the window
             B, H, D = self._shape
-            codes = torch.empty((B, H, 0, _ops.hqmq_words(D, self.config.secondary_size,
-                                                          self.config.radius_bits)),
-                                dtype=torch.int32, device=self.device)
-            scale = torch.empty((B, H, 0), dtype=torch.float16, device=self.device)
-        return codes, scale, self.secondary, rec, ptr.reshape(-1)
+            codes = self._no_data((B, H, 0, _ops.hqmq_words(D, self.config.secondary_size,
+                                                          self.config.radius_bits)), torch.int32)
+            scale = self._no_data((B, H, 0), torch.float16)
+        return codes, scale, self.secondary, rec, ptr
 
     def residual_operand(self) -> torch.Tensor:
         """The recent window ``[B, H, Tr, D]`` for ``kvq.ops.decode_attention_hqmq``'s
         ``k_residual`` / ``v_residual`` (``Tr = 0`` when empty)."""
-        return self.residual if self.residual is not None else self._empty()
+        return self.residual if self.residual is not None else self._no_data()
 
     def _records(self) -> torch.Tensor:
         v = self.outliers.view()

@@ -26,6 +26,10 @@ class Growable:
         self.buf: Optional[torch.Tensor] = None
         self.length = 0
         self.align = align
+        # view() of the used rows, reused while buf and length are unchanged (a decode step
+        # reads every stream's views once; most of them change only when a block is flushed)
+        self._view: Optional[torch.Tensor] = None
+        self._view_len = -1
 
     def _cap(self, n: int) -> int:
         return -(-n // self.align) * self.align
@@ -41,14 +45,19 @@ class Growable:
                              device=self.buf.device)
             nb[:, :, :self.length] = self.buf[:, :, :self.length]
             self.buf = nb
+            self._view = None
         self.buf[:, :, self.length:self.length + n] = t
         self.length += n
 
     def view(self) -> Optional[torch.Tensor]:
-        return None if self.buf is None else self.buf[:, :, :self.length]
+        if self.buf is None:
+            return None
+        if self._view is None or self._view_len != self.length:
+            self._view, self._view_len = self.buf[:, :, :self.length], self.length
+        return self._view
 
     def reset(self, t: Optional[torch.Tensor]) -> None:
-        self.buf, self.length = None, 0
+        self.buf, self.length, self._view = None, 0, None
         if t is not None:
             self.append(t)
 
@@ -149,6 +158,21 @@ class Stream:
         B, H, D = self._shape
         return torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
 
+    def _no_data(self, shape=None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A tensor with no elements (default ``[B, H, 0, D]`` in the stream's dtype) for an
+        attention operand with nothing stored yet; one per (shape, dtype, device), reused on
+        every call, since it holds no data.  Internal to the ops' operands: what the stream
+        hands to users (dequantize, state_dict) is a fresh tensor."""
+        if shape is None:
+            B, H, D = self._shape
+            shape = (B, H, 0, D)
+        key = (tuple(shape), dtype or self.dtype, self.device)
+        cache = self.__dict__.setdefault("_no_data_cache", {})
+        t = cache.get(key)
+        if t is None:
+            t = cache[key] = torch.empty(key[0], dtype=key[1], device=key[2])
+        return t
+
 
 class FullPrecisionStream(Stream):
     """FP16 baseline: every token kept as given."""
@@ -241,13 +265,12 @@ class _QuantStream(Stream):
         dev = self.device
         codes = self.codes.view()
         if codes is None:
-            codes = torch.empty((B, H, 0, D * spec.bits // 32), dtype=torch.int32, device=dev)
+            codes = self._no_data((B, H, 0, D * spec.bits // 32), torch.int32)
             ng = D if spec.per_channel else D // (D if spec.group_size == -1 else spec.group_size)
-            scale = torch.empty((B, H, 0, ng), dtype=torch.float16, device=dev)
-            zero = scale
+            scale = zero = self._no_data((B, H, 0, ng), torch.float16)
         else:
             scale, zero = self.scale.view(), self.zero.view()
-        residual = self.residual if self.residual is not None else self._empty()
+        residual = self.residual if self.residual is not None else self._no_data()
         return codes, scale, zero, residual
 
     def load_state_dict(self, state):
