@@ -1,4 +1,5 @@
-"""Soak: one long streaming run of a ``kvq.KVCache`` layer per method family, on the CPU.
+"""Soak: one long streaming run of a ``kvq.KVCache`` layer per method family, on the CPU, and
+the same run on CUDA in lock-step with the CPU (``test_soak_cuda_equals_cpu``).
 
 Families and totals (B = H = 1, fp16; D = 64, HQMQ at D = 32, the smallest head dim, because
 its codebook search costs ~10x a group quantization per token): fp16, kivi-2, kcvt-4,
@@ -25,6 +26,11 @@ average).  At each of the ``CHECKPOINTS`` checkpoints, for keys and values:
   scheduler slices, which would swamp what is measured.
 
 At the end the whole layer dequantizes to finite values within the bound of every token.
+
+On CUDA the same tokens stream into a CUDA cache and a CPU cache side by side; at every
+checkpoint the two hold the same stored tensors bit for bit (the CUDA kernels are the CPU
+twins' equals), the CUDA memory the cache holds stays within twice its ``nbytes`` (+ 1 MiB),
+and the median 1-token append time (synchronised) obeys the same growth bound.
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ import kvquant_ext as kvq
 from kvquant_ext.gear import GEARStream
 from kvquant_ext.hqmq import HQMQStream
 from kvquant_ext.streams import FullPrecisionStream, _QuantStream
+from conftest import requires_cuda
 from reference.quant_reference import expand_scale, quantize_ref
 from test_fuzz import (check_gear_block, check_growables, compressed_bytes,
                        expected_stream_nbytes, gear_block_bytes, growables, hqmq_chunk_check,
@@ -280,3 +287,53 @@ def test_soak(preset, one_thread):
     for role, got in (("key", K), ("value", V)):
         assert got.shape == (1, 1, total, D) and torch.isfinite(got).all()
         check_tail(getattr(cache.layers[0], role), cfg, role, data[role], 0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", list(FAMILIES))
+def test_soak_cuda_equals_cpu(preset, one_thread):
+    """The soak stream on CUDA next to the CPU: equal stored tensors at every checkpoint, flat
+    device memory, non-growing per-append time (module docstring)."""
+    cfg = kvq.get_config(preset)
+    D, total = FAMILIES[preset]
+    key, value = make_data(total, D, 1), make_data(total, D, 2)
+    cpu, gpu = kvq.KVCache(cfg), kvq.KVCache(cfg)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    marks = [total * (i + 1) // CHECKPOINTS for i in range(CHECKPOINTS)]
+    step_times = [[] for _ in marks]
+    n, i, c = 0, 0, 0
+    while n < total:
+        m = min(PATTERN[i % len(PATTERN)], total - n, marks[c] - n)
+        i += 1
+        k, v = key[:, :, n:n + m], value[:, :, n:n + m]
+        kc, vc = k.cuda(), v.cuda()
+        cpu.update(k, v, 0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gpu.update(kc, vc, 0)
+        torch.cuda.synchronize()
+        if m == 1:
+            step_times[c].append(time.perf_counter() - t0)
+        n += m
+        if n < marks[c]:
+            continue
+        sc, sg = cpu.state_dict(), gpu.state_dict()
+        assert sorted(sc) == sorted(sg)
+        for name, want in sc.items():
+            got = sg[name]
+            if isinstance(want, torch.Tensor):
+                assert got.is_cuda and got.dtype == want.dtype and got.shape == want.shape, name
+                assert torch.equal(got.cpu(), want), f"{name} differs from the CPU cache at {n} tokens"
+            else:
+                assert got == want, name
+        assert gpu.nbytes == cpu.nbytes
+        del kc, vc
+        held = torch.cuda.memory_allocated() - base
+        assert held <= 2 * gpu.nbytes + (1 << 20), (
+            f"{held} bytes of CUDA memory held for {gpu.nbytes} stored at {n} tokens")
+        c += 1
+    first, final = statistics.median(step_times[0]), statistics.median(step_times[-1])
+    assert final <= GROWTH * first + SLACK_S, (
+        f"median 1-token CUDA append took {first * 1e6:.0f} us after the first checkpoint and "
+        f"{final * 1e6:.0f} us after the last ({total} tokens)")
