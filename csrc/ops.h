@@ -10,6 +10,7 @@
 #include "kvq/linalg/power_svd.h"
 #include "kvq/attention/decode_attention.h"
 #include "kvq/attention/decode_attention_hqmq.h"
+#include "kvq/attention/paged_decode_attention.h"
 #include "kvq/quant/group_quant.h"
 #include "kvq/select/outlier_topk.h"
 #include "kvq/hqmq/hqmq.h"
@@ -240,6 +241,10 @@ at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS);
 #endif
 
 // ----- paged KV (csrc/paged.cpp) -----
+#ifdef KVQ_WITH_CUDA
+/// The token write of kvq.paged_append on the device of `pool` (csrc/cuda_bindings.cpp).
+void paged_write_rows_on_device(const attention::PagedWriteParams& p, const at::Tensor& pool);
+#endif
 void paged_append(const at::Tensor& k_fp, const at::Tensor& v_fp, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_codes,
                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_zero,

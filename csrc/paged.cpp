@@ -4,7 +4,6 @@
 // include/kvq/attention/paged_decode_attention.h and docs/serving.md.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/TensorIndexing.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "kvq/attention/paged_decode_attention.h"
@@ -100,10 +99,8 @@ void paged_append(const at::Tensor& k_fp, const at::Tensor& v_fp, const at::Tens
                   const std::optional<at::Tensor>& v_zero, const std::optional<at::Tensor>& compress_src,
                   const std::optional<at::Tensor>& compress_dst, int64_t bits, bool k_per_channel,
                   bool v_per_channel) {
-  using at::indexing::Slice;
   check_fp_pools(kAppend, k_fp, v_fp);
   const int64_t H = k_fp.size(1), P = k_fp.size(2), D = k_fp.size(3);
-  page_shift_of(kAppend, k_fp, "k_fp");
   for (const at::Tensor* t : {&k, &v}) {
     const char* name = t == &k ? "k" : "v";
     CHECK_DIM(kAppend, *t, name, 3);
@@ -120,10 +117,31 @@ void paged_append(const at::Tensor& k_fp, const at::Tensor& v_fp, const at::Tens
   KVQ_CHECK_ARG(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0), kAppend, "slot_mapping",
                 "must be [N=", k.size(0), "], got ", slot_mapping.sizes());
   if (k.size(0) > 0) {
-    const at::Tensor pages = at::floor_divide(slot_mapping, P), rows = at::remainder(slot_mapping, P);
-    at::Tensor kf = k_fp, vf = v_fp;  // written in place (schema: Tensor(a!), Tensor(b!))
-    kf.index_put_({pages, Slice(), rows}, k);
-    vf.index_put_({pages, Slice(), rows}, v);
+    // rows with a contiguous last dim; the pools are written in place (schema: Tensor(a!), Tensor(b!))
+    const at::Tensor kr = k.stride(2) == 1 ? k : k.contiguous(), vr = v.stride(2) == 1 ? v : v.contiguous();
+    const at::Tensor slots = slot_mapping.contiguous();
+    attention::PagedWriteParams w;
+    w.k = kr.data_ptr(), w.v = vr.data_ptr();
+    w.k_sn = kr.stride(0), w.k_sh = kr.stride(1), w.v_sn = vr.stride(0), w.v_sh = vr.stride(1);
+    w.k_fp = k_fp.data_ptr(), w.v_fp = v_fp.data_ptr();
+    w.slots = slots.data_ptr<int64_t>();
+    w.N = k.size(0), w.H = H, w.D = D, w.pages = k_fp.size(0);
+    w.page_shift = page_shift_of(kAppend, k_fp, "k_fp");
+    w.elem_bytes = (int)k_fp.element_size();
+    if (k_fp.is_cpu()) {
+      const int64_t capacity = w.pages * P;
+      for (int64_t n = 0; n < w.N; ++n)
+        KVQ_CHECK_ARG(w.slots[n] < capacity, kAppend, "slot_mapping", "entry ", n, " is ", w.slots[n],
+                      ", past the pool's ", capacity, " slots (", w.pages, " pages of ", P, " tokens)");
+      attention::paged_write_rows_host(w);
+    } else {
+#ifdef KVQ_WITH_CUDA
+      KVQ_CHECK_ARG(k_fp.is_cuda(), kAppend, "k_fp", "must be on the CPU or a CUDA device, got ", k_fp.device());
+      paged_write_rows_on_device(w, k_fp);
+#else
+      KVQ_CHECK_ARG(false, kAppend, "k_fp", "must be on the CPU (this build has no CUDA), got ", k_fp.device());
+#endif
+    }
   }
   const bool compress = compress_src.has_value() && compress_src->defined();
   KVQ_CHECK_ARG(compress == (compress_dst.has_value() && compress_dst->defined()), kAppend, "compress_src",

@@ -88,7 +88,8 @@ TORCH_LIBRARY(kvq, m) {
   // ---- end paged KV ops ----
 }
 
-// paged_append is a composition of ATen ops and kvq.quantize: one implementation serves every device.
+// paged_append: argument checks, the token write (CPU loop or CUDA kernel, by the pools' device) and
+// kvq.quantize of the filled pages, in one function for every device.
 TORCH_LIBRARY_IMPL(kvq, CompositeExplicitAutograd, m) { m.impl("paged_append", &kvq::paged_append); }
 
 TORCH_LIBRARY_IMPL(kvq, CPU, m) {

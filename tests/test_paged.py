@@ -273,6 +273,67 @@ def test_ops_opcheck():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+def append_ref(k_fp, v_fp, k, v, slots):
+    """paged_append's token write, one row at a time: a negative slot writes nothing."""
+    kf, vf = k_fp.clone(), v_fp.clone()
+    P = kf.shape[2]
+    for n, s in enumerate(slots.tolist()):
+        if 0 <= s < kf.shape[0] * P:
+            kf[s // P, :, s % P] = k[n]
+            vf[s // P, :, s % P] = v[n]
+    return kf, vf
+
+
+def rows_in_layout(N, H, D, dtype, device, layout, g):
+    """[N, H, D] tokens: contiguous; heads strided (every other head of a wider tensor); last
+    dim strided; or starting one element past a 16-byte boundary."""
+    if layout == "contiguous":
+        return torch.randn(N, H, D, generator=g).to(dtype).to(device)
+    if layout == "head_strided":
+        return torch.randn(N, 2 * H, D, generator=g).to(dtype).to(device)[:, ::2]
+    if layout == "last_strided":
+        return torch.randn(N, H, 2 * D, generator=g).to(dtype).to(device)[..., ::2]
+    flat = torch.randn(N * H * D + 1, generator=g).to(dtype).to(device)
+    return flat[1:].view(N, H, D)  # misaligned
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D", [4, 64, 128])
+@pytest.mark.parametrize("layout", ["contiguous", "head_strided", "last_strided", "misaligned"])
+def test_paged_append_writes_each_row_to_its_slot(device, dtype, D, layout):
+    g = torch.Generator().manual_seed(D + len(layout))
+    pages, H, P, N = 7, 3, 16, 50
+    k_fp = torch.randn(pages, H, P, D, generator=g).to(dtype).to(device)
+    v_fp = torch.randn(pages, H, P, D, generator=g).to(dtype).to(device)
+    slots = torch.randperm(pages * P, generator=g)[:N]
+    slots[::7] = -1  # padding tokens
+    slots = slots.to(device)
+    k = rows_in_layout(N, H, D, dtype, device, layout, g)
+    v = rows_in_layout(N, H, D, dtype, device, layout, g)
+    want_k, want_v = append_ref(k_fp, v_fp, k, v, slots)
+    kvq.ops.paged_append(k_fp, v_fp, k, v, slots)
+    assert torch.equal(k_fp, want_k) and torch.equal(v_fp, want_v)
+
+
+def test_paged_append_refuses_a_slot_past_the_pool_on_cpu():
+    k_fp, v_fp = torch.zeros(2, 1, 16, 64), torch.zeros(2, 1, 16, 64)
+    k = torch.ones(3, 1, 64)
+    with pytest.raises(RuntimeError, match="slot_mapping.*entry 2 is 32, past the pool's 32 slots"):
+        kvq.ops.paged_append(k_fp, v_fp, k, k, torch.tensor([0, 1, 32]))
+    assert not k_fp.any() and not v_fp.any()  # refused before any row is written
+
+
+@requires_cuda
+def test_cuda_paged_append_skips_a_slot_past_the_pool():
+    k_fp = torch.zeros(2, 1, 16, 64, device="cuda", dtype=torch.float16)
+    v_fp = torch.zeros_like(k_fp)
+    k = torch.ones(3, 1, 64, device="cuda", dtype=torch.float16)
+    kvq.ops.paged_append(k_fp, v_fp, k, 2 * k, torch.tensor([0, 40, 17], device="cuda"))
+    assert k_fp.sum().item() == 2 * 64 and v_fp.sum().item() == 4 * 64
+    assert k_fp[0, 0, 0].eq(1).all() and k_fp[1, 0, 1].eq(1).all()
+
+
 def test_op_bad_block_table_is_refused_on_cpu():
     cache, ids, _ = build("kivi-2", [300], 2, 64, torch.float16, "cpu")
     layer = cache.layers[0]

@@ -1,7 +1,9 @@
-// Paged decode-attention entry points: the plan launch, the CUDA-core instantiations (every
-// token through the generic loop: fp32 caches, full-precision-only layers, layouts the
-// tensor-core path does not read) and dispatch to the tensor-core instantiations generated from
-// paged_decode_attention_mma_kernels.cu.in.  Kernels: include/kvq/attention/paged_decode_attention.cuh.
+// Paged KV entry points: the token write of paged_append, the plan launch, the CUDA-core
+// instantiations (every token through the generic loop: fp32 caches, full-precision-only
+// layers, layouts the tensor-core path does not read) and dispatch to the tensor-core
+// instantiations generated from paged_decode_attention_mma_kernels.cu.in.  Kernels:
+// include/kvq/attention/paged_append.cuh and paged_decode_attention.cuh.
+#include "kvq/attention/paged_append.cuh"
 #include "kvq/attention/paged_decode_attention.cuh"
 #include "kvq/cuda_api.h"
 #include "kvq/common/dispatch.h"
@@ -43,6 +45,19 @@ cudaError_t paged_decode_plan_cuda(const int32_t* seq_lens, const int32_t* comp_
                                    int64_t max_items, int32_t* work, cudaStream_t stream) {
   if (max_items < paged_min_items(num_seqs)) return cudaErrorInvalidValue;
   return LaunchPagedDecodePlan(seq_lens, comp_lens, num_seqs, max_items, work, stream);
+}
+
+static bool aligned16_rows(const void* base, int64_t sn, int64_t sh, int64_t elem) {
+  return reinterpret_cast<uintptr_t>(base) % 16 == 0 && (sn * elem) % 16 == 0 && (sh * elem) % 16 == 0;
+}
+
+cudaError_t paged_write_rows_cuda(const PagedWriteParams& p, cudaStream_t stream) {
+  if (p.elem_bytes != 2 && p.elem_bytes != 4) return cudaErrorInvalidValue;
+  const int64_t e = p.elem_bytes;
+  if ((p.D * e) % 16 == 0 && aligned16_rows(p.k, p.k_sn, p.k_sh, e) && aligned16_rows(p.v, p.v_sn, p.v_sh, e) &&
+      reinterpret_cast<uintptr_t>(p.k_fp) % 16 == 0 && reinterpret_cast<uintptr_t>(p.v_fp) % 16 == 0)
+    return LaunchPagedWriteRows<uint4>(p, stream);
+  return e == 2 ? LaunchPagedWriteRows<uint16_t>(p, stream) : LaunchPagedWriteRows<uint32_t>(p, stream);
 }
 
 cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream) {

@@ -53,6 +53,39 @@ constexpr int64_t kPagedFpStep = 32;
 /// The smallest work-list capacity the plan accepts for `num_seqs` sequences.
 KVQ_HOST_DEVICE int64_t paged_min_items(int64_t num_seqs) { return 2 * num_seqs + 2; }
 
+/// \brief The token write of kvq.paged_append: row n of k / v [N, H, D] (element strides
+/// k_sn / k_sh, last dim contiguous) goes to page slots[n] >> page_shift, row
+/// slots[n] & (P - 1) of the contiguous pools k_fp / v_fp [pages, H, P, D].  A negative slot is
+/// padding and writes nothing; so does (on the device, which cannot raise) a slot past the pool.
+struct PagedWriteParams {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  int64_t k_sn = 0, k_sh = 0, v_sn = 0, v_sh = 0;
+  void* k_fp = nullptr;
+  void* v_fp = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t N = 0, H = 0, D = 0, pages = 0;
+  int page_shift = 0;
+  int elem_bytes = 2;
+};
+
+/// \brief The CPU twin of the token write (slots already checked by the caller).
+inline void paged_write_rows_host(const PagedWriteParams& p) {
+  const int64_t row_bytes = p.D * p.elem_bytes, P = int64_t(1) << p.page_shift;
+  for (int64_t n = 0; n < p.N; ++n) {
+    const int64_t slot = p.slots[n];
+    if (slot < 0 || (slot >> p.page_shift) >= p.pages) continue;
+    const int64_t page = slot >> p.page_shift, row = slot & (P - 1);
+    for (int64_t h = 0; h < p.H; ++h) {
+      const int64_t dst = ((page * p.H + h) * P + row) * row_bytes;
+      std::copy_n(static_cast<const char*>(p.k) + (n * p.k_sn + h * p.k_sh) * p.elem_bytes, row_bytes,
+                  static_cast<char*>(p.k_fp) + dst);
+      std::copy_n(static_cast<const char*>(p.v) + (n * p.v_sn + h * p.v_sh) * p.elem_bytes, row_bytes,
+                  static_cast<char*>(p.v_fp) + dst);
+    }
+  }
+}
+
 /// Compressed tokens of a sequence as the kernels read them: comp clamped to [0, len].
 KVQ_HOST_DEVICE int64_t paged_comp_len(int64_t len, int64_t comp) {
   return comp < 0 ? 0 : (comp > len ? len : comp);
