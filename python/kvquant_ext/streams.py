@@ -52,9 +52,11 @@ class Growable:
     def view(self) -> Optional[torch.Tensor]:
         if self.buf is None:
             return None
-        if self._view is None or self._view_len != self.length:
-            self._view, self._view_len = self.buf[:, :, :self.length], self.length
-        return self._view
+        v = self._view
+        if v is None or self._view_len != self.length or v._base is not self.buf:
+            v = self._view = self.buf[:, :, :self.length]
+            self._view_len = self.length
+        return v
 
     def reset(self, t: Optional[torch.Tensor]) -> None:
         self.buf, self.length, self._view = None, 0, None
