@@ -12,6 +12,7 @@ from test_group_quant import make_kv
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 FUSED = ["gear-2", "gearl-2", "outlier-2"]
+NB = kvq.get_config("gear-2").buffer_length  # decode-block tokens of the 2-bit presets (all equal)
 
 
 def spiky_kv(B, H, T, D, dtype, device, seed):
@@ -56,15 +57,15 @@ def test_presets_lengths_streaming(device, preset, T, steps):
 @pytest.mark.parametrize("ratio", [1, 4, 7, 12])
 def test_head_dims_gqa(device, D, ratio):
     H = 2
-    cache = gear_cache("gear-2", 1, H, 320 if device == "cuda" else 192, D, torch.float16, device, steps=66)
+    cache = gear_cache("gear-2", 1, H, 320 if device == "cuda" else 192, D, torch.float16, device, steps=NB + 2)
     fused(cache, torch.randn(1, H * ratio, D, dtype=torch.float16, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_and_mask(device):
     B, H, T, D = 3, 2, 256, 128
-    cache = gear_cache("gear-2", B, H, T, D, torch.bfloat16, device, steps=70)
-    Tt = T + 70
+    cache = gear_cache("gear-2", B, H, T, D, torch.bfloat16, device, steps=NB + 6)
+    Tt = T + NB + 6
     mask = torch.ones(B, Tt, dtype=torch.bool, device=device)
     mask[1, :37] = False
     mask[2, :200] = False
@@ -82,7 +83,7 @@ def test_outliers_and_low_rank_matter(device):
     """The op must use the outliers and the factors: dropping either changes the output by
     far more than the tolerance (so the equality tests above can fail)."""
     B, H, T, D = 1, 2, 256, 64
-    cache = gear_cache("gear-2", B, H, T, D, torch.float16, device, steps=64)
+    cache = gear_cache("gear-2", B, H, T, D, torch.float16, device, steps=NB)
     q = torch.randn(B, 4, D, dtype=torch.float16, device=device) * 2
     out = fused(cache, q).float()
     kst, vst = cache.layers[0].key, cache.layers[0].value
@@ -92,7 +93,7 @@ def test_outliers_and_low_rank_matter(device):
 
     def run(kg_, vg_):
         return kvq.ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_,
-                                          kst.T0, 64, scale).float()
+                                          kst.T0, NB, scale).float()
 
     torch.testing.assert_close(run(kg, vg), out, rtol=0, atol=0)
     e = torch.empty(0, device=device)
@@ -137,7 +138,7 @@ def test_stored_corrections(device, preset, dtype):
     factors) carries d = v - xhat in the cache dtype, xhat recomputed here independently by
     kvq.gear_decompress without outliers in fp32 (the value before the outlier overwrite)."""
     B, H, D = 2, 2, 64
-    cache = gear_cache(preset, B, H, 150, D, dtype, device, steps=140)
+    cache = gear_cache(preset, B, H, 150, D, dtype, device, steps=2 * NB + 12)
     eps = torch.finfo(dtype).eps
     for role in ("key", "value"):
         st = getattr(cache.layers[0], role)
@@ -168,7 +169,7 @@ def test_stored_corrections(device, preset, dtype):
 
 def test_corrections_rebuilt_from_old_state():
     """A state dict saved before the corrections were stored gets them recomputed on load."""
-    cache = gear_cache("gear-2", 1, 2, 150, 64, torch.float16, "cpu", steps=140)
+    cache = gear_cache("gear-2", 1, 2, 150, 64, torch.float16, "cpu", steps=2 * NB + 12)
     sd = cache.state_dict()
     old = {k: v for k, v in sd.items() if not (k.endswith("od0") or k.endswith("od1"))}
     assert len(old) < len(sd)
@@ -191,13 +192,13 @@ def test_kcvt_backbone_falls_back():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_input(device):
-    cache = gear_cache("gear-2", 1, 2, 128, 64, torch.float16, device, steps=64)
+    cache = gear_cache("gear-2", 1, 2, 128, 64, torch.float16, device, steps=NB)
     kst, vst = cache.layers[0].key, cache.layers[0].value
     kc, ks, kz, kr, kg = kst.attention_operands()
     vc, vs, vz, vr, vg = vst.attention_operands()
     q = torch.randn(1, 4, 64, dtype=torch.float16, device=device)
 
-    def call(kg_=kg, vg_=vg, t0=kst.T0, nb=64):
+    def call(kg_=kg, vg_=vg, t0=kst.T0, nb=NB):
         return kvq.ops.decode_attention_gear(q, kc, ks, kz, kr, vc, vs, vz, vr, None, 2, kg_, vg_, t0, nb, 0.1)
 
     with pytest.raises(RuntimeError, match="k_gear"):
@@ -259,7 +260,7 @@ def test_cuda_long_matches_cpu(preset, D, dtype):
     """Many tiles per warp through the prefill block (cursor walk over long outlier lists),
     several decode blocks, and the split combine."""
     B, H, T = 2, 2, 4096
-    cache = gear_cache(preset, B, H, T, D, dtype, "cuda", steps=200, seed=7)
+    cache = gear_cache(preset, B, H, T, D, dtype, "cuda", steps=3 * NB + 8, seed=7)
     q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
     out = fused(cache, q) if dtype == torch.float16 else kvq.decode_attention(q, cache, 0)
     cpu = kvq.KVCache(preset)
@@ -277,7 +278,7 @@ def test_cuda_reads_stored_corrections(preset, dtype):
     garbage in ov changes nothing; scaled corrections give what the CPU op gives with the same
     operands, and differ from the unscaled result."""
     B, H, T, D = 2, 2, 1024, 128
-    cache = gear_cache(preset, B, H, T, D, dtype, "cuda", steps=100, seed=3)
+    cache = gear_cache(preset, B, H, T, D, dtype, "cuda", steps=NB + 36, seed=3)
     kst, vst = cache.layers[0].key, cache.layers[0].value
     kc, ks, kz, kr, kg = kst.attention_operands()
     vc, vs, vz, vr, vg = vst.attention_operands()
@@ -347,7 +348,7 @@ def test_cuda_wide_value_indices(preset):
     """int16 value indices (accepted by the op) take the kernel's unstaged value-outlier path
     and give exactly the result of the uint8 indices (staged path)."""
     B, H, T, D = 2, 2, 1024, 128
-    cache = gear_cache(preset, B, H, T, D, torch.float16, "cuda", steps=100, seed=5)
+    cache = gear_cache(preset, B, H, T, D, torch.float16, "cuda", steps=NB + 36, seed=5)
     kst, vst = cache.layers[0].key, cache.layers[0].value
     kc, ks, kz, kr, kg = kst.attention_operands()
     vc, vs, vz, vr, vg = vst.attention_operands()
@@ -386,9 +387,11 @@ def stream_cache(cfg, B, H, P, nblk, extra, D, dtype, device, seed=0):
 
 # decode-heavy caches: (config, D, dtype, prefill P, decode blocks, single-token steps, tol)
 _DECODE_HEAVY = [
-    # the bench's gear-2 (r 4 / 2) with 60 decode blocks of 2 tiles: every tile of a warp
-    # starts a new block (q . B_k and the B_v flush per tile); odd buffer length
-    ("gear-2", 128, torch.float16, 1024, 60, 37, 4e-3),
+    # r 4 / 2 with 60 decode blocks of 2 tiles (the paper's n_b = 64): every tile of a warp
+    # starts a new block (q . B_k and the B_v flush per tile); odd buffer length.  The shipped
+    # 2-bit presets: blocks of 4 tiles
+    ("gear-2-paper", 128, torch.float16, 1024, 60, 37, 4e-3),
+    ("gear-2", 128, torch.float16, 1024, 30, 37, 4e-3),
     ("gearl-2", 128, torch.float16, 1024, 60, 37, 4e-3),
     ("outlier-2", 128, torch.float16, 1024, 60, 37, 4e-3),
     ("gear-2", 64, torch.bfloat16, 512, 40, 5, 1.5e-2),
@@ -483,7 +486,7 @@ def _to_cpu(x):
 
 @requires_cuda
 def test_cuda_graph_capture():
-    cache = gear_cache("gear-2", 2, 2, 1024, 128, torch.float16, "cuda", steps=64)
+    cache = gear_cache("gear-2", 2, 2, 1024, 128, torch.float16, "cuda", steps=NB)
     q = torch.randn(2, 8, 128, dtype=torch.float16, device="cuda")
     eager = kvq.decode_attention(q, cache, 0)
     s = torch.cuda.Stream()
@@ -502,7 +505,7 @@ def test_cuda_graph_capture():
 def test_cuda_eligibility_checks_alignment():
     """On CUDA the fused GEAR path needs 16-byte aligned rows; a misaligned layer must take the
     dequantize path (checked here on CPU tensors through kvq.uses_fused_kernel)."""
-    cache = gear_cache("gear-2", 1, 2, 128, 64, torch.float16, "cpu", steps=64)
+    cache = gear_cache("gear-2", 1, 2, 128, 64, torch.float16, "cpu", steps=NB)
     kst, vst = cache.layers[0].key, cache.layers[0].value
 
     class FakeCuda:  # what kvq.uses_fused_kernel reads of q: its device and shape

@@ -345,8 +345,12 @@ def test_gear_compress_key_tail_and_small_rank():
 def test_presets():
     g2, g4 = kvq.get_config("gear-2"), kvq.get_config("gear-4")
     assert (g2.backbone, g2.bits, g2.group_size, g2.sparsity, g2.rank, g2.rank_decode, g2.iters,
-            g2.buffer_length) == ("kivi", 2, 64, 0.02, 4, 2, 8, 64)
+            g2.buffer_length) == ("kivi", 2, 64, 0.02, 4, 2, 8, 128)
     assert (g4.backbone, g4.bits, g4.buffer_length) == ("kcvt", 4, 20)
+    paper = kvq.get_config("gear-2-paper")  # the paper's n_b, the reference's iterations
+    assert paper == kvq.GEARConfig(bits=2, group_size=64, sparsity=0.02, rank=4, rank_decode=2,
+                                   iters=3, buffer_length=64, backbone="kivi")
+    assert {kvq.get_config(n).buffer_length for n in ("gearl-2", "outlier-2")} == {128}
     assert kvq.get_config("gearl-2").sparsity == 0 and kvq.get_config("gearl-4").sparsity == 0
     assert kvq.get_config("outlier-2").rank == 0
     for name in ("gear-2", "gear-4", "gearl-2", "gearl-4", "outlier-2"):
@@ -388,7 +392,8 @@ def _blockwise_expected(x, cfg, role, prefill):
 @pytest.mark.parametrize("name", ["gear-2", "gear-4", "gearl-2", "outlier-2"])
 def test_stream_equals_blockwise(name):
     cfg = kvq.get_config(name)
-    B, H, D, prefill, steps = 2, 2, 64, 150, 90
+    B, H, D, prefill = 2, 2, 64, 150
+    steps = max(90, cfg.buffer_length + 26)  # at least one decode block and a partial buffer
     k = kv_like(B, H, prefill + steps, D, seed=1)
     v = kv_like(B, H, prefill + steps, D, seed=2)
     cache = kvq.KVCache(cfg)
@@ -434,12 +439,13 @@ def test_stream_equals_blockwise(name):
 def test_stream_decode_block_ranks_and_no_recompression():
     cfg = kvq.get_config("gear-2")
     cache = kvq.KVCache(cfg)
-    x = kv_like(1, 2, 128 + 130, 64, seed=4)
+    nb = cfg.buffer_length
+    x = kv_like(1, 2, 128 + 2 * nb + 2, 64, seed=4)
     cache.update(x[:, :, :128], x[:, :, :128], 0)
     s = cache.layers[0].key
     first = s.blocks[0]
     assert first.rank == 4 and s.buffer_len == 0
-    for t in range(128, 258):
+    for t in range(128, 128 + 2 * nb + 2):  # two decode blocks and two buffered tokens
         cache.update(x[:, :, t:t + 1], x[:, :, t:t + 1], 0)
     # never recompressed: the prefill block's storage is untouched
     assert s.blocks[0].A.data_ptr() == first.A.data_ptr()
@@ -784,10 +790,11 @@ def test_cuda_gear_matches_cpu(dtype, per_channel, bits, G, T, D):
 @pytest.mark.parametrize("name", ["gear-2", "gear-4"])
 def test_cuda_stream_equals_blockwise(name):
     cfg = kvq.get_config(name)
-    k = kv_like(2, 2, 200, 128, seed=1).cuda()
+    T = 200 + cfg.buffer_length  # a decode block or more, then a partial buffer
+    k = kv_like(2, 2, T, 128, seed=1).cuda()
     cache = kvq.KVCache(cfg)
     cache.update(k[:, :, :130], k[:, :, :130], 0)
-    for t in range(130, 200):
+    for t in range(130, T):
         cache.update(k[:, :, t:t + 1], k[:, :, t:t + 1], 0)
     K, V = cache.dequantize(0)
     for got, role in ((K, "key"), (V, "value")):

@@ -113,12 +113,13 @@ def test_figures_are_the_documented_ones():
     assert f("kivi-2", "key") == f("kivi-2", "value") == 3.0
     assert f("kcvt-4", "key") == 4 + 32 / 128 and f("kcvt-4", "value") == 4.5  # R = 128 block / token
     assert f("int4-per-token", "key") == f("int4-per-token", "value") == 4.5
-    # gear-2 decode block, 64 x 64: codes 2, scale/zero 0.5, factors 2*2*(64+64)*8/4096 = 1,
-    # keys 1 outlier per side and channel (values, int16 index, correction: 1.5; offsets 0.0625),
-    # values 1 per side and token (values, uint8 index, correction: 1.25)
-    assert f("gear-2", "key") == 2 + 0.5 + 1.5 + 0.0625 + 1.0
-    assert f("gear-2", "value") == 2 + 0.5 + 1.25 + 1.0
-    assert f("gearl-2", "key") == 2 + 0.5 + 0.0625 + 1.0  # no outliers; the offsets stay
+    # gear-2 decode block, n_b = 128 tokens x 64 channels: codes 2, scale/zero 0.5, rank-2 fp16
+    # factors 2*(128+64)*16/8192 = 0.75; keys 2 outliers per side and channel (2 % of 128
+    # tokens; value, int16 index and correction, 48 bits each: 256*48/8192 = 1.5) and 12 int32
+    # tile offsets (0.046875); values 1 per side and token (value, uint8 index, correction: 1.25)
+    assert f("gear-2", "key") == 2 + 0.5 + 1.5 + 0.046875 + 0.75
+    assert f("gear-2", "value") == 2 + 0.5 + 1.25 + 0.75
+    assert f("gearl-2", "key") == 2 + 0.5 + 0.046875 + 0.75  # no outliers; the offsets stay
     assert f("hqmq-3.79", "key", 32) == (32 * 4 + 16) / 32  # F = 12 + 4 bits x 8 chunks: 4 words
     assert f("hqmq-5", "key", 32) == (32 * 5 + 16) / 32 + 64 / 1024  # F = 13 + 6: 152 bits -> 5 words
 

@@ -432,13 +432,19 @@ class GEARConfig(CompressionConfig):
 
 
 
+# The 2-bit (KIVI-backbone) presets stream in decode blocks of n_b = 128 tokens: against the
+# paper's 64, the streaming KL drops for every 2-bit variant at equal or fewer bits/element on
+# both eval models (docs/eval.md); gear-2-paper keeps the paper's n_b = 64 and the reference's
+# 3 power iterations.
 PRESETS["gear-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.02, rank=4, rank_decode=2,
-                               iters=8, buffer_length=64, backbone="kivi")
+                               iters=8, buffer_length=128, backbone="kivi")
+PRESETS["gear-2-paper"] = GEARConfig(bits=2, group_size=64, sparsity=0.02, rank=4, rank_decode=2,
+                                     iters=3, buffer_length=64, backbone="kivi")
 PRESETS["gear-4"] = GEARConfig(bits=4, sparsity=0.02, rank=4, rank_decode=2, iters=8,
                                buffer_length=20, backbone="kcvt")
 PRESETS["gearl-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.0, rank=4, rank_decode=2,
-                                iters=8, buffer_length=64, backbone="kivi")
+                                iters=8, buffer_length=128, backbone="kivi")
 PRESETS["gearl-4"] = GEARConfig(bits=4, sparsity=0.0, rank=4, rank_decode=2, iters=8,
                                 buffer_length=20, backbone="kcvt")
 PRESETS["outlier-2"] = GEARConfig(bits=2, group_size=64, sparsity=0.02, rank=0, rank_decode=0,
-                                  iters=3, buffer_length=64, backbone="kivi")
+                                  iters=3, buffer_length=128, backbone="kivi")
