@@ -360,13 +360,30 @@ def test_kvq_attention_with_plain_cache_is_sdpa():
     assert torch.equal(out, gen(model, ids, DynamicCache(), n=8))
 
 
-def test_beam_search_is_refused_clearly():
-    model = tiny_model()
-    ids = torch.randint(1, VOCAB, (1, 20))
-    with pytest.raises(NotImplementedError, match="beam"):
-        with torch.no_grad():
-            model.generate(input_ids=ids, max_new_tokens=4, num_beams=2, do_sample=False,
-                           pad_token_id=0, **{kh.cache_kwarg(model): kh.QuantizedCache("kivi-2")})
+def _beams(model, ids, cache, n=6, beams=3):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, num_beams=beams, num_return_sequences=beams,
+                              do_sample=False, pad_token_id=0, **{kh.cache_kwarg(model): cache})
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_beam_search_reorders_the_compressed_cache(family, monkeypatch):
+    """Beam search expands the batch (batch_repeat_interleave) and reorders it every step
+    (reorder_cache): with the fp16 preset the beams are those of DynamicCache (gemma3: the
+    sliding layers too); with KIVI-4 decode still reads the compressed layers, reordered."""
+    model = tiny_model(family)
+    ids = torch.randint(1, VOCAB, (2, 20))
+    ref = _beams(model, ids, DynamicCache())
+    assert torch.equal(_beams(model, ids, kh.QuantizedCache("fp16")), ref)
+    calls = []
+    real = kvq.KVCache.batch_select
+    monkeypatch.setattr(kvq.KVCache, "batch_select",
+                        lambda self, idx, layer_idx=None: (calls.append(idx), real(self, idx, layer_idx))[1])
+    cache = kh.QuantizedCache("kivi-4")
+    out = _beams(model, ids, cache)
+    assert calls and cache.kv.batch_size == 6
+    assert (out == ref).float().mean() > 0.9
 
 
 def test_lazy_import():

@@ -115,6 +115,65 @@ class KVCache:
                              f"{len(self.layers)} layers")
         return self.layers[layer_idx]
 
+    # -- batch ------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> Optional[int]:
+        """Rows of the batch the cache holds (None before the first append)."""
+        for layer in self.layers:
+            if layer.key._shape is not None:
+                return layer.key._shape[0]
+        return None
+
+    def _layers_arg(self, layer_idx: Optional[int]) -> List[LayerCache]:
+        return list(self.layers) if layer_idx is None else [self._layer(layer_idx)]
+
+    def batch_select(self, indices, layer_idx: Optional[int] = None) -> None:
+        """Keep the batch rows ``indices`` (a 1-D integer tensor or sequence, each in
+        ``[0, B)``; repeats allowed, e.g. beam search's ``beam_idx``) of every layer, or of layer
+        ``layer_idx`` only.  Each layer becomes the cache those rows' tokens would have built:
+        every stored tensor is index-selected along its batch dimension and the structures that
+        name (batch, head) positions (HQMQ's outlier records and their index) are rebuilt.  What
+        is per head and not per row stays: HQMQ's secondary sets and Med3x threshold (computed
+        over the batch of the first append)."""
+        layers = self._layers_arg(layer_idx)
+        if isinstance(indices, torch.Tensor):
+            index = indices
+        else:
+            try:
+                index = torch.as_tensor(indices)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"argument 'indices' must be a 1-D integer tensor or sequence, "
+                                f"got {type(indices).__name__}") from None
+        if index.dim() != 1 or index.dtype.is_floating_point or index.dtype.is_complex or \
+                index.dtype == torch.bool:
+            raise TypeError(f"argument 'indices' must be a 1-D integer tensor, got "
+                            f"{index.dtype} of shape {tuple(index.shape)}")
+        if index.numel() == 0:
+            raise ValueError("argument 'indices' must select at least one batch row")
+        filled = [l for l in layers if l.key._shape is not None]
+        if not filled:
+            return
+        lo, hi = int(index.min()), int(index.max())  # one host sync
+        for layer in filled:  # all checked before any layer changes
+            B = layer.key._shape[0]
+            if lo < 0 or hi >= B:
+                raise ValueError(f"argument 'indices' has entries in [{lo}, {hi}], outside the "
+                                 f"cache's batch rows [0, {B})")
+        for layer in filled:
+            for st in (layer.key, layer.value):
+                if st._shape is not None:
+                    st.batch_select(index.to(device=st.device, dtype=torch.int64))
+
+    def batch_repeat_interleave(self, repeats: int, layer_idx: Optional[int] = None) -> None:
+        """Repeat every batch row ``repeats`` times in place (row b becomes rows
+        ``b * repeats .. b * repeats + repeats - 1``), as ``Tensor.repeat_interleave(repeats, 0)``."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"argument 'repeats' must be an int >= 1, got {repeats!r}")
+        for layer in self._layers_arg(layer_idx):
+            if layer.key._shape is not None:
+                B = layer.key._shape[0]
+                self.batch_select(torch.arange(B).repeat_interleave(repeats), self.layers.index(layer))
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):
             return 0

@@ -430,8 +430,10 @@ class GEARStream(Stream):
                 "buffer": self.buffer}
 
     # -- state ------------------------------------------------------------------
-    def state_dict(self):
-        sd = super().state_dict()
+    unbatched = ("meta",)
+
+    def _state(self):
+        sd = super()._state()
         if self._shape is not None:
             if "buffer" not in sd:
                 sd["buffer"] = self._empty()

@@ -226,24 +226,30 @@ class QuantizedLayer(CacheLayerMixin):
         elif self.layer_idx < self.parent.kv.num_layers:
             self.parent.kv.reset(self.layer_idx)
 
-    def _unsupported(self, what: str):
-        raise NotImplementedError(f"kvq QuantizedCache does not support {what} (compressed "
-                                  "streams cannot be reordered or cut); use greedy/sampling "
-                                  "generation without beams or assistants")
-
-    def reorder_cache(self, beam_idx) -> None:
-        self._unsupported("beam search (reorder_cache)")
-
     def crop(self, tokens_to_remove: int) -> None:
-        self._unsupported("crop")
+        raise NotImplementedError("kvq QuantizedCache does not support crop")
+
+    # -- batch (beam search, contrastive search, batch expansion) ----------------------
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows ``indices`` (repeats allowed); see :meth:`KVCache.batch_select`."""
+        if self.kind == "sliding":
+            self.inner.batch_select_indices(indices)
+        elif self.pending is not None:
+            self.pending = tuple(t[indices] for t in self.pending)
+        elif self.layer_idx < self.parent.kv.num_layers:
+            self.parent.kv.batch_select(indices, self.layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``b`` becomes old row ``beam_idx[b]``."""
+        self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length() > 0:
-            self._unsupported("batch_repeat_interleave on a filled cache")
-
-    def batch_select_indices(self, indices) -> None:
-        if self.get_seq_length() > 0:
-            self._unsupported("batch_select_indices on a filled cache")
+        if self.kind == "sliding":
+            self.inner.batch_repeat_interleave(repeats)
+        elif self.pending is not None:
+            self.pending = tuple(t.repeat_interleave(repeats, dim=0) for t in self.pending)
+        elif self.layer_idx < self.parent.kv.num_layers:
+            self.parent.kv.batch_repeat_interleave(repeats, self.layer_idx)
 
     def offload(self):  # pragma: no cover - offloading is not supported
         pass

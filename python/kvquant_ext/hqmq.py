@@ -273,11 +273,35 @@ class HQMQStream(Stream):
                 "secondary": self.secondary, "threshold": self.threshold,
                 "residual": self.residual}
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        sd = super().state_dict()
+    unbatched = ("secondary", "threshold", "outliers", "outlier_ptr")
+
+    def _state(self) -> Dict[str, torch.Tensor]:
+        sd = super()._state()
         if self._shape is not None:
             sd["proto"] = self._empty()  # [B, H, 0, D] in the cache dtype (0 bytes)
         return sd
+
+    def _select_extra(self, state, index):
+        """Outlier records name their row ``n = b * H + h``: keep those of the selected batch
+        rows, renumbered (a repeated row gets a copy of its records), each row's records in
+        their stored order; ``outlier_ptr`` is rebuilt by ``load_state_dict``.  The secondary
+        sets and the Med3x threshold (per head) stay."""
+        state.pop("outlier_ptr", None)
+        rec = state.get("outliers")
+        if rec is None:
+            return state
+        H = self._shape[1]
+        rec = rec.reshape(-1, 4)
+        n = rec[:, 1] >> 8
+        row, head = n // H, n % H
+        parts = []
+        for j, b in enumerate(index.tolist()):
+            sel = row == b
+            r = rec[sel].clone()
+            r[:, 1] = ((j * H + head[sel]) << 8) | (rec[sel, 1] & 255)
+            parts.append(r)
+        state["outliers"] = torch.cat(parts).view(1, 1, -1, 4)
+        return state
 
     def load_state_dict(self, state):
         self._shape = None

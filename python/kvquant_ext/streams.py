@@ -7,7 +7,7 @@ methods add their own ``Stream`` subclass and register it with
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -139,11 +139,33 @@ class Stream:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
 
+    #: state entries without a batch dimension (``batch_select`` keeps them as they are); every
+    #: other entry of :meth:`_state` is ``[B, ...]``
+    unbatched: Tuple[str, ...] = ()
+
+    def _state(self) -> Dict[str, torch.Tensor]:
+        """What :meth:`state_dict` saves, without copies."""
+        return {k: v for k, v in self.tensors().items() if v is not None}
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.tensors().items() if v is not None}
+        return {k: v.clone() for k, v in self._state().items()}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
         raise NotImplementedError  # pragma: no cover
+
+    def batch_select(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` (int64 ``[B']`` on the stream's device, each in
+        ``[0, B)``, repeats allowed; :class:`~kvquant_ext.KVCache` validates it): the stream
+        becomes the one rows ``index`` of its appended tokens would have built."""
+        if self._shape is None:  # nothing appended yet
+            return
+        state = {k: v if k in self.unbatched else v.index_select(0, index)
+                 for k, v in self._state().items()}
+        self.load_state_dict(self._select_extra(state, index))
+
+    def _select_extra(self, state: Dict[str, torch.Tensor], index: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Rebuild the state entries that encode batch positions in their values (none here)."""
+        return state
 
     def _empty(self) -> torch.Tensor:
         B, H, D = self._shape
@@ -257,8 +279,8 @@ class _QuantStream(Stream):
         for name in ("codes", "scale", "zero"):
             getattr(self, name).reset(state.get(name))
 
-    def state_dict(self):
-        sd = super().state_dict()
+    def _state(self):
+        sd = super()._state()
         if self._shape is not None and "residual" not in sd:
             sd["residual"] = self._empty()
         return sd
