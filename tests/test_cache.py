@@ -517,3 +517,69 @@ def test_batch_select_one_layer_and_errors():
     with pytest.raises(IndexError, match="'layer_idx'"):
         cache.batch_select([0], layer_idx=5)
     kvq.KVCache("kivi-2").batch_select([3])  # nothing stored yet: nothing to check against
+
+
+# ----------------------------------------------------------------------------- crop
+_EXACT_CROP = {"fp16", "int4-per-token", "int2-per-token", "flexgen-4", "hqmq-3.79-paper", "hqmq-5",
+               "gear-2", "gear-4", "gearl-2", "gearl-4", "outlier-2"}
+
+
+def _step(cache, K, V, a, b):
+    for t in range(a, b):
+        for l in range(2):
+            cache.update(K[l][:, :, t:t + 1], V[l][:, :, t:t + 1], l)
+
+
+@pytest.mark.parametrize("k", [1, 7, 40])
+@pytest.mark.parametrize("preset", sorted(kvq.PRESETS))
+def test_crop_equals_a_cache_that_never_got_the_tokens(preset, k):
+    """150 tokens one by one, crop the newest k: the kept tokens keep their values; where the
+    rule is exact the state is that of a cache fed 150 - k tokens, else it becomes that once
+    k more tokens have pushed the early-compressed ones out; into a compressed block: refused."""
+    n = 150
+    K, V = _kv(2, n + 20)
+    cache = _streamed(preset, K, V, cuts=list(range(1, n + 1)))
+    assert cache.crop_is_exact(0) == (preset in _EXACT_CROP)
+    floor = max(cache.layers[0].key.crop_floor, cache.layers[0].value.crop_floor)
+    before = cache.state_dict()
+    full = [t.clone() for t in cache.dequantize(0)]
+    if n - k < floor:
+        with pytest.raises(ValueError, match=rf"'max_length'.*crop it to {floor} tokens or more"):
+            cache.crop(-k)
+        _assert_same_state(cache, _streamed(preset, K, V, cuts=list(range(1, n + 1))))
+        return
+    cache.crop(n - k) if k % 2 else cache.crop(-k)  # both spellings
+    assert cache.get_seq_length(0) == cache.get_seq_length(1) == n - k
+    assert all(torch.equal(a[:, :, :n - k], b) for a, b in zip(full, cache.dequantize(0)))
+    ref = _streamed(preset, K, V, cuts=list(range(1, n - k + 1)))
+    if preset in _EXACT_CROP:
+        _assert_same_state(cache, ref)
+    _step(cache, K, V, n - k, n + 12)  # k + 12 more: the early-compressed tokens' turn has come
+    _step(ref, K, V, n - k, n + 12)
+    _assert_same_state(cache, ref)
+    q = torch.randn(2, 8, 64, dtype=torch.float16)
+    assert torch.equal(kvq.decode_attention(q, cache, 0), kvq.decode_attention(q, ref, 0))
+
+
+def test_crop_keeps_views_and_edge_cases():
+    x = make_kv(1, 2, 40, 64, torch.float16)
+    cache = kvq.KVCache("fp16")
+    cache.update(x, x, 0)
+    view = cache.dequantize(0)[0]
+    cache.crop(30)
+    cache.update(-x[:, :, :5], -x[:, :, :5], 0)  # writes rows 30..34 of a copy
+    assert torch.equal(view, x)
+    cache.crop(100)  # longer than the layer: nothing to do
+    assert cache.get_seq_length(0) == 35
+    cache.crop(-1000)  # more than it holds: empty, as a fresh layer
+    assert cache.get_seq_length(0) == 0 and cache.layers[0].key._shape is None
+    with pytest.raises(TypeError, match="'max_length'"):
+        cache.crop(1.5)
+    two = kvq.KVCache("kivi-2", num_layers=2)
+    two.update(make_kv(1, 2, 150, 64, torch.float16), make_kv(1, 2, 150, 64, torch.float16), 0)
+    two.update(make_kv(1, 2, 100, 64, torch.float16), make_kv(1, 2, 100, 64, torch.float16), 1)
+    with pytest.raises(ValueError, match="layer 0 cannot keep 120"):
+        two.crop(120)  # layer 1 (100 tokens, all in the residual) is not touched either
+    assert two.get_seq_length(1) == 100
+    two.crop(90, layer_idx=1)
+    assert (two.get_seq_length(0), two.get_seq_length(1)) == (150, 90)

@@ -386,6 +386,59 @@ def test_beam_search_reorders_the_compressed_cache(family, monkeypatch):
     assert (out == ref).float().mean() > 0.9
 
 
+def _assistant():
+    a = tiny_model()
+    with torch.no_grad():  # a slightly different model: some drafts are rejected
+        for p in a.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return a
+
+
+def _assisted(model, assistant, ids, cache, n=20):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, pad_token_id=0, assistant_model=assistant,
+                              **{kh.cache_kwarg(model): cache})
+
+
+def test_assisted_decoding_crops_exactly_croppable_caches(monkeypatch):
+    """Assisted decoding crops the rejected drafts: fp16 gives greedy's tokens; per-token INT
+    (is_croppable) runs and its crops are called; KIVI (values in a FIFO: a crop could not put
+    the layer back) is refused by transformers up front."""
+    model, assistant = tiny_model(), _assistant()
+    ids = torch.randint(1, VOCAB, (1, 20))
+    ref = gen(model, ids, DynamicCache(), n=20)
+    assert torch.equal(_assisted(model, assistant, ids, kh.QuantizedCache("fp16")), ref)
+    crops = []
+    real = kvq.KVCache.crop
+    monkeypatch.setattr(kvq.KVCache, "crop", lambda self, m, layer_idx=None: (crops.append(m), real(self, m, layer_idx))[1])
+    cache = kh.QuantizedCache("int4-per-token")
+    assert cache.is_croppable is True
+    out = _assisted(model, assistant, ids, cache)
+    assert any(m < 0 for m in crops) and out.shape[1] == ids.shape[1] + 20
+    assert cache.get_seq_length() == out.shape[1] - 1
+    assert kh.QuantizedCache("kivi-2", model.config).is_croppable is False
+    with pytest.raises(ValueError, match="cropped"):
+        _assisted(model, assistant, ids, kh.QuantizedCache("kivi-2"))
+
+
+def test_layer_crop_semantics():
+    model = tiny_model("gemma3")
+    cache = kh.QuantizedCache("kivi-2")
+    cache.activate_past_recording()  # before the layers are known: the sliding ones record
+    fwd(model, torch.randint(1, VOCAB, (1, 150)), cache)
+    assert [l.kind for l in cache.layers] == ["sliding", "compressed"] * 2
+    with pytest.raises(ValueError, match="positive value"):
+        cache.crop(3)
+    cache.crop(0)
+    assert cache.get_seq_length() == 150
+    cache.crop(-10)  # keys: 128 quantized + 12 residual
+    assert [l.get_seq_length() for l in cache.layers] == [140] * 4
+    with pytest.raises(ValueError, match="'max_length'.*128 tokens or more"):
+        cache.crop(-20)
+    assert [l.get_seq_length() for l in cache.layers] == [140] * 4
+
+
 def test_lazy_import():
     """`kvq.hf` works after a plain `import kvquant_ext`, and the core package does not
     import transformers."""

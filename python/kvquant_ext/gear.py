@@ -394,6 +394,21 @@ class GEARStream(Stream):
     def seq_len(self):
         return self.compressed_len + self.buffer_len
 
+    # -- crop -------------------------------------------------------------------------
+    # Down to the compressed blocks (a block's factors and outliers span all of its tokens);
+    # exact when W = 0 (the buffer then holds exactly the tokens after the last block).
+    @property
+    def crop_floor(self):
+        return self.compressed_len
+
+    @property
+    def crop_is_exact(self):
+        return self.config.recent_window == 0
+
+    def crop(self, n):
+        c = self.compressed_len
+        self.buffer = None if self.buffer is None else self.buffer[:, :, :n - c].contiguous()
+
     def dequantize(self):
         if self._shape is None:
             return None

@@ -101,7 +101,6 @@ class QuantizedLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
     supports_early_init = False
 
     def __init__(self, parent: "QuantizedCache", layer_idx: int, kind: Optional[str] = None,
@@ -113,6 +112,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.attn_seen = False  # the "kvq" attention function consumed one of our handles
         self._zero: Optional[torch.Tensor] = None
+        self._record_past = False
         if kind is not None:
             self.resolve(kind, sliding_window)
 
@@ -130,6 +130,7 @@ class QuantizedLayer(CacheLayerMixin):
             if not sliding_window:
                 raise ValueError("argument 'sliding_window' must be a positive int for a sliding layer")
             self.inner = DynamicSlidingWindowLayer(sliding_window=int(sliding_window))
+            self.inner.record_past = self._record_past
         self.kind = kind
         if self.pending is not None:
             k, v = self.pending
@@ -226,8 +227,51 @@ class QuantizedLayer(CacheLayerMixin):
         elif self.layer_idx < self.parent.kv.num_layers:
             self.parent.kv.reset(self.layer_idx)
 
+    # -- crop (assisted decoding, prompt lookup) ------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("kvq QuantizedCache does not support crop")
+        """transformers' semantics: remove ``-tokens_to_remove`` newest tokens (0: nothing to
+        do; a positive value is refused, as by ``DynamicLayer``).  Compressed layers follow
+        :meth:`kvquant_ext.KVCache.crop` (a crop into a compressed block raises ``ValueError``)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"argument 'tokens_to_remove' must be an int, got {type(tokens_to_remove).__name__}")
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                             "Please use a negative integer to remove that number of tokens from the cache instead.")
+        if self.kind == "sliding":
+            self.inner.crop(tokens_to_remove)
+        elif tokens_to_remove == 0:
+            return
+        elif self.pending is not None:
+            self.pending = tuple(t[..., :max(t.shape[-2] + tokens_to_remove, 0), :] for t in self.pending)
+        elif self.layer_idx < self.parent.kv.num_layers:
+            self.parent.kv.crop(tokens_to_remove, self.layer_idx)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Can ``crop`` put the layer back as it was (transformers requires it for assisted
+        decoding)?  Sliding and undecided layers: yes (full precision); compressed layers:
+        :meth:`kvquant_ext.KVCache.crop_is_exact` of the config (e.g. per-token INT, HQMQ
+        without a window, fp16: yes; KIVI, whose values sit in a FIFO: no)."""
+        if self.kind == "sliding":
+            return self.inner.is_croppable
+        if self.kind is None:
+            return True
+        return self.parent.kv.crop_is_exact(self.layer_idx)
+
+    def activate_past_recording(self) -> None:
+        """A sliding layer keeps tokens past its window until the next ``crop`` (so that crop
+        can roll it back); compressed layers keep every token anyway."""
+        self.record_past = True
+
+    @property
+    def record_past(self) -> bool:
+        return self._record_past
+
+    @record_past.setter
+    def record_past(self, on: bool) -> None:
+        self._record_past = bool(on)
+        if self.inner is not None:
+            self.inner.record_past = self._record_past
 
     # -- batch (beam search, contrastive search, batch expansion) ----------------------
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -308,6 +352,7 @@ class QuantizedCache(Cache):
         n = None if model_config is None else len(_layer_kinds(model_config))
         self.kv = KVCache(config, n, check_finite=check_finite)
         self._warned = False
+        self._record_past = False
         super().__init__(layers=[])
         if model_config is not None:
             for i, (kind, window) in enumerate(_layer_kinds(model_config)):
@@ -318,7 +363,23 @@ class QuantizedCache(Cache):
     def _layer(self, layer_idx: int) -> QuantizedLayer:
         while len(self.layers) <= layer_idx:
             self.layers.append(QuantizedLayer(self, len(self.layers)))
+            self.layers[-1].record_past = self._record_past
         return self.layers[layer_idx]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``QuantizedLayer.crop`` on every layer, after checking that every compressed layer
+        allows it (a refused crop changes no layer)."""
+        if isinstance(tokens_to_remove, int) and not isinstance(tokens_to_remove, bool) and tokens_to_remove < 0:
+            for layer in self.layers:
+                if layer.kind == "compressed" and layer.layer_idx < self.kv.num_layers:
+                    self.kv._crop_plan(tokens_to_remove, layer.layer_idx)
+        super().crop(tokens_to_remove)
+
+    def activate_past_recording(self) -> None:
+        """Sliding layers, including those created later, keep the tokens a ``crop`` may need."""
+        self._record_past = True
+        for layer in self.layers:
+            layer.activate_past_recording()
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return self._layer(layer_idx).update(key_states, value_states)

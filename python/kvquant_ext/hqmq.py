@@ -222,6 +222,45 @@ class HQMQStream(Stream):
         if self.codes.length:
             self._index_append(rec, 0, self.codes.length)
 
+    # -- crop -------------------------------------------------------------------------
+    # To any length (per-token codes); exact when W = 0, else the kept tokens that the removed
+    # ones pushed out of the recent window stay encoded.  The Med3x threshold stays as the
+    # first append fixed it.
+    crop_floor = 0
+
+    @property
+    def crop_is_exact(self):
+        return self.config.recent_window == 0
+
+    def crop(self, n):
+        c = self.codes.length
+        if n >= c:
+            self.residual = None if self.residual is None or n == c else self.residual[:, :, :n - c].contiguous()
+            return
+        self.residual = None
+        if self.config.outlier_factor is not None:
+            self._index_truncate(n)
+        else:
+            rec = self._records()
+            rec = rec[rec[:, 0] < n]
+            self.outliers.reset(rec.view(1, 1, -1, 4) if rec.shape[0] else None)
+        self.codes.truncate(n)
+        self.scale.truncate(n)
+
+    def _index_truncate(self, n: int) -> None:
+        """Drop the records of tokens >= n and rewrite the offsets from tile ``n // 32`` on."""
+        ptr = self.outlier_ptr.view()
+        if ptr is None:
+            return
+        B, H, _ = self._shape
+        j0 = n // TILE
+        start = int(ptr[0, 0, j0 * B * H])
+        tail = self._records()[start:]
+        keep = tail[tail[:, 0] < n]
+        self.outliers.truncate(start)
+        self.outlier_ptr.truncate(j0 * B * H + 1)
+        self._index_append(keep, n, n)
+
     def attention_operands(self):
         """(codes, scale, secondary, outliers, outlier_ptr) for
         ``kvq.ops.decode_attention_hqmq`` (records in index order; ``outlier_ptr`` empty

@@ -26,6 +26,10 @@ class Growable:
         self.buf: Optional[torch.Tensor] = None
         self.length = 0
         self.align = align
+        # rows [0, length) of a buffer never change once written, except through
+        # ``truncate``, which makes the next append write into a copy (views handed out
+        # before a crop keep their values)
+        self._shared = False
 
     def _cap(self, n: int) -> int:
         return -(-n // self.align) * self.align
@@ -35,20 +39,28 @@ class Growable:
         if self.buf is None:
             self.buf = torch.empty((*t.shape[:2], self._cap(max(n, 16)), *t.shape[3:]),
                                    dtype=t.dtype, device=t.device)
-        elif self.length + n > self.buf.shape[2]:
-            cap = self._cap(max(self.length + n, 2 * self.buf.shape[2]))
+        elif self.length + n > self.buf.shape[2] or self._shared:
+            grow = self.length + n > self.buf.shape[2]
+            cap = self._cap(max(self.length + n, 2 * self.buf.shape[2] if grow else self.buf.shape[2]))
             nb = torch.empty((*self.buf.shape[:2], cap, *self.buf.shape[3:]), dtype=self.buf.dtype,
                              device=self.buf.device)
             nb[:, :, :self.length] = self.buf[:, :, :self.length]
             self.buf = nb
+            self._shared = False
         self.buf[:, :, self.length:self.length + n] = t
         self.length += n
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` rows along dim 2."""
+        if n < self.length:
+            self.length = n
+            self._shared = self.buf is not None
 
     def view(self) -> Optional[torch.Tensor]:
         return None if self.buf is None else self.buf[:, :, :self.length]
 
     def reset(self, t: Optional[torch.Tensor]) -> None:
-        self.buf, self.length = None, 0
+        self.buf, self.length, self._shared = None, 0, False
         if t is not None:
             self.append(t)
 
@@ -167,6 +179,27 @@ class Stream:
         """Rebuild the state entries that encode batch positions in their values (none here)."""
         return state
 
+    # -- crop -----------------------------------------------------------------------
+    @property
+    def crop_floor(self) -> int:
+        """The fewest tokens :meth:`crop` can keep (besides 0, which a cache does by
+        resetting the layer): the end of the newest compressed unit (block) that would hold
+        both kept and removed tokens.  A format without its own crop cannot be cropped."""
+        return self.seq_len
+
+    @property
+    def crop_is_exact(self) -> bool:
+        """Does every crop down to ``crop_floor`` leave the stream as if the removed tokens had
+        never been appended (True), or may kept tokens stay compressed that such a stream would
+        still hold in full precision (False; see docs/design.md)?"""
+        return False
+
+    def crop(self, n: int) -> None:
+        """Remove the newest tokens, keeping the first ``n`` (``crop_floor <= n <= seq_len``,
+        checked by :meth:`KVCache.crop`): every kept token keeps the value the stream held for it."""
+        if n != self.seq_len:
+            raise NotImplementedError(f"{type(self).__name__} cannot be cropped")  # pragma: no cover
+
     def _empty(self) -> torch.Tensor:
         B, H, D = self._shape
         return torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
@@ -194,6 +227,12 @@ class FullPrecisionStream(Stream):
 
     def tensors(self):
         return {"data": self.data.view()}
+
+    crop_floor = 0
+    crop_is_exact = True
+
+    def crop(self, n):
+        self.data.truncate(n)
 
     def load_state_dict(self, state):
         self._shape = None
@@ -250,6 +289,16 @@ class _QuantStream(Stream):
         return {"codes": self.codes.view(), "scale": self.scale.view(), "zero": self.zero.view(),
                 "residual": self.residual}
 
+    def _crop_residual(self, n: int) -> None:
+        """Keep the first ``n`` tokens, all of them in the store or the residual as stored."""
+        q = self.quantized_len
+        if n >= q:
+            self.residual = None if self.residual is None else self.residual[:, :, :n - q].contiguous()
+            return
+        for g in (self.codes, self.scale, self.zero):  # per-token rows (FIFO only)
+            g.truncate(n)
+        self.residual = None
+
     def _join_residual(self, x: torch.Tensor) -> torch.Tensor:
         if self.check_finite and not torch.isfinite(x).all():
             raise ValueError("argument 'x' contains NaN or Inf (cache check_finite=True)")
@@ -290,7 +339,21 @@ class BlockFlushStream(_QuantStream):
     """KIVI keys (per-channel): tokens wait in a full-precision buffer; whenever it holds
     R tokens older than the recent window (W newest tokens) they are quantized together (R/G
     groups per channel).  A prefill of T tokens quantizes the first R * floor((T - W) / R)
-    and buffers the rest."""
+    and buffers the rest.
+
+    Crop: down to the quantized tokens (a block's scales span all of its tokens); exact when
+    W = 0 (the residual then holds exactly the tokens after the last whole block)."""
+
+    @property
+    def crop_floor(self):
+        return self.quantized_len
+
+    @property
+    def crop_is_exact(self):
+        return self.W == 0
+
+    def crop(self, n):
+        self._crop_residual(n)
 
     def append(self, x, name="x"):
         self._check(x, name)
@@ -305,7 +368,19 @@ class FifoStream(_QuantStream):
     """KIVI values (per-token): a FIFO of the last R + W tokens (residual and recent window)
     stays full precision; tokens pushed out of it are quantized on their own (per-token
     needs no other tokens).  R + W = 0 quantizes every token on arrival (naive per-token
-    INT-b)."""
+    INT-b).
+
+    Crop: to any length (per-token codes are separable); exact when R + W = 0, else the kept
+    tokens that the removed ones pushed out of the FIFO stay quantized."""
+
+    crop_floor = 0
+
+    @property
+    def crop_is_exact(self):
+        return self.R + self.W == 0
+
+    def crop(self, n):
+        self._crop_residual(n)
 
     def append(self, x, name="x"):
         self._check(x, name)
