@@ -302,6 +302,24 @@ class HQMQStream(Stream):
             parts.append(self.residual)
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0] if parts else self._empty()
 
+    def dequantize_range(self, a, b):
+        c, parts = self.codes.length, []
+        if a < c:
+            e = min(b, c)
+            rec = self._records()
+            ptr = self.outlier_ptr.view()
+            if ptr is not None:  # Med3x: the records of tiles [a // 32, ceil(e / 32)) are contiguous
+                BH = self._shape[0] * self._shape[1]
+                rec = rec[int(ptr[0, 0, a // TILE * BH]):int(ptr[0, 0, -(-e // TILE) * BH])]
+            rec = rec[(rec[:, 0] >= a) & (rec[:, 0] < e)].clone()
+            rec[:, 0] -= a
+            parts.append(_ops.hqmq_decode(self.codes.view()[:, :, a:e].contiguous(),
+                                          self.scale.view()[:, :, a:e].contiguous(), self.secondary, rec,
+                                          self.config.radius_bits, self._shape[2], self.dtype))
+        if b > c:
+            parts.append(self.residual[:, :, max(a, c) - c:b - c])
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0] if parts else self._empty()
+
     @property
     def seq_len(self):
         return self.codes.length + self.residual_len

@@ -200,6 +200,16 @@ class Stream:
         if n != self.seq_len:
             raise NotImplementedError(f"{type(self).__name__} cannot be cropped")  # pragma: no cover
 
+    def dequantize_range(self, a: int, b: int) -> torch.Tensor:
+        """Tokens ``[a, b)`` (``0 <= a <= b <= seq_len``) ``[B, H, b - a, D]``, bit for bit as
+        :meth:`dequantize` holds them.  Formats without their own dequantize the whole stream."""
+        return self.dequantize()[:, :, a:b]
+
+    def range_cut(self, pos: int) -> int:
+        """The first position >= ``pos`` where a range can start or end without splitting a
+        compressed unit that :meth:`dequantize_range` would decode twice."""
+        return pos
+
     def _empty(self) -> torch.Tensor:
         B, H, D = self._shape
         return torch.empty((B, H, 0, D), dtype=self.dtype, device=self.device)
@@ -233,6 +243,9 @@ class FullPrecisionStream(Stream):
 
     def crop(self, n):
         self.data.truncate(n)
+
+    def dequantize_range(self, a, b):
+        return self.data.view()[:, :, a:b]
 
     def load_state_dict(self, state):
         self._shape = None
@@ -288,6 +301,29 @@ class _QuantStream(Stream):
     def tensors(self):
         return {"codes": self.codes.view(), "scale": self.scale.view(), "zero": self.zero.view(),
                 "residual": self.residual}
+
+    @property
+    def _rows_per_group(self) -> int:
+        """Tokens per scale row: G for per-channel keys (a stream's whole-axis group is R),
+        1 per token."""
+        return self.spec.group_size if self.spec.per_channel else 1
+
+    def range_cut(self, pos):
+        G = self._rows_per_group
+        return -(-pos // G) * G if pos < self.quantized_len else pos
+
+    def dequantize_range(self, a, b):
+        q, parts = self.quantized_len, []
+        if a < q:
+            e, G = min(b, q), self._rows_per_group
+            a0, e0 = a // G * G, -(-e // G) * G
+            out = _ops.dequantize(self.codes.view()[:, :, a0:e0], self.scale.view()[:, :, a0 // G:e0 // G],
+                                  self.zero.view()[:, :, a0 // G:e0 // G], self.spec.bits,
+                                  self.spec.per_channel, self.dtype)
+            parts.append(out[:, :, a - a0:e - a0])
+        if b > q:
+            parts.append(self.residual[:, :, max(a, q) - q:b - q])
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0] if parts else self._empty()
 
     def _crop_residual(self, n: int) -> None:
         """Keep the first ``n`` tokens, all of them in the store or the residual as stored."""
