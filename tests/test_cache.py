@@ -433,3 +433,154 @@ def test_a_refused_gear_block_leaves_the_layer_as_it_was(monkeypatch):
     loose.update(x, x, 0)
     loose.update(step, step, 0)  # the user skipped the checks: stored as it comes
     assert loose.get_seq_length(0) == 128 + nb
+
+
+# ----------------------------------------------------------------------------- batch operations
+# A prefill of 70, single tokens to 100, then steps of 5 to 230: every preset ends with a
+# non-empty compressed part and a non-empty full-precision part (KIVI residual, GEAR buffer
+# with decode blocks stored, HQMQ window), and HQMQ-5 with Med3x outlier records.
+_CUTS = [70] + list(range(71, 100)) + list(range(105, 231, 5))
+
+
+def _streamed(preset, K, V, cuts=_CUTS, like=None):
+    """A 2-layer cache fed K[l], V[l] [B, H, T, D] in the chunks ``cuts``.  ``like``: take the
+    Med3x thresholds of that cache (a statistic of the first append's whole batch)."""
+    cache = kvq.KVCache(preset)
+    if like is not None and getattr(cache.config, "outlier_factor", None) is not None:
+        for l in range(2):
+            for role in ("key", "value"):
+                getattr(cache._ensure(l), role).threshold = getattr(like.layers[l], role).threshold
+    a = 0
+    for b in cuts:
+        for l in range(2):
+            cache.update(K[l][:, :, a:b], V[l][:, :, a:b], l)
+        a = b
+    return cache
+
+
+def _assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        if isinstance(sa[k], torch.Tensor):
+            assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+            assert torch.equal(sa[k], sb[k]), k
+        else:
+            assert sa[k] == sb[k], k
+
+
+def _kv(B, T, H=2, D=64):
+    K = [make_kv(B, H, T, D, torch.float16) for _ in range(2)]
+    V = [make_kv(B, H, T, D, torch.float16, outlier_channels=False) for _ in range(2)]
+    return K, V
+
+
+@pytest.mark.parametrize("preset", sorted(kvq.PRESETS))
+def test_batch_select_equals_a_cache_of_the_selected_rows(preset):
+    K, V = _kv(3, 230)
+    cache = _streamed(preset, K, V)
+    st = cache.layers[0].key
+    if preset == "hqmq-5":
+        assert st.outliers.length > 0  # the records are renumbered, not just copied
+    idx = torch.tensor([2, 0, 0, 1])
+    ref = _streamed(preset, [k[idx] for k in K], [v[idx] for v in V], like=cache)
+    cache.batch_select(idx)
+    _assert_same_state(cache, ref)
+    q = torch.randn(4, 8, 64, dtype=torch.float16)
+    assert torch.equal(kvq.decode_attention(q, cache, 1), kvq.decode_attention(q, ref, 1))
+    # batch_repeat_interleave: row b -> rows 2b, 2b + 1
+    cache.batch_repeat_interleave(2)
+    rep = torch.tensor([2, 2, 0, 0, 0, 0, 1, 1])
+    ref2 = _streamed(preset, [k[rep] for k in K], [v[rep] for v in V], like=ref)
+    _assert_same_state(cache, ref2)
+
+
+def test_batch_select_one_layer_and_errors():
+    K, V = _kv(2, 150)
+    cache = _streamed("kivi-2", K, V, cuts=[150])
+    before = cache.state_dict()
+    for bad, err, match in ((torch.tensor([0, 2]), ValueError, r"'indices'.*\[0, 2\].*\[0, 2\)"),
+                            (torch.tensor([-1]), ValueError, "'indices'"),
+                            (torch.tensor([], dtype=torch.int64), ValueError, "at least one"),
+                            (torch.tensor([0.0]), TypeError, "'indices'.*integer"),
+                            (torch.tensor([[0]]), TypeError, "'indices'.*1-D"),
+                            ("0", TypeError, "'indices'")):
+        with pytest.raises(err, match=match):
+            cache.batch_select(bad)
+    with pytest.raises(ValueError, match="'repeats'"):
+        cache.batch_repeat_interleave(0)
+    assert all(not isinstance(v, torch.Tensor) or torch.equal(v, cache.state_dict()[k])
+               for k, v in before.items())
+    k1 = cache.dequantize(1)[0].clone()
+    cache.batch_select([1], layer_idx=1)  # one layer; a list is accepted
+    assert cache.layers[0].key._shape[0] == 2 and cache.layers[1].key._shape[0] == 1
+    assert torch.equal(cache.dequantize(1)[0], k1[1:])
+    with pytest.raises(IndexError, match="'layer_idx'"):
+        cache.batch_select([0], layer_idx=5)
+    kvq.KVCache("kivi-2").batch_select([3])  # nothing stored yet: nothing to check against
+
+
+# ----------------------------------------------------------------------------- crop
+_EXACT_CROP = {"fp16", "int4-per-token", "int2-per-token", "flexgen-4", "hqmq-3.79-paper", "hqmq-5",
+               "gear-2", "gear-2-paper", "gear-4", "gearl-2", "gearl-4", "outlier-2"}
+
+
+def _step(cache, K, V, a, b):
+    for t in range(a, b):
+        for l in range(2):
+            cache.update(K[l][:, :, t:t + 1], V[l][:, :, t:t + 1], l)
+
+
+@pytest.mark.parametrize("k", [1, 7, 40])
+@pytest.mark.parametrize("preset", sorted(kvq.PRESETS))
+def test_crop_equals_a_cache_that_never_got_the_tokens(preset, k):
+    """150 tokens one by one, crop the newest k: the kept tokens keep their values; where the
+    rule is exact the state is that of a cache fed 150 - k tokens, else it becomes that once
+    k more tokens have pushed the early-compressed ones out; into a compressed block: refused."""
+    n = 150
+    K, V = _kv(2, n + 20)
+    cache = _streamed(preset, K, V, cuts=list(range(1, n + 1)))
+    assert cache.crop_is_exact(0) == (preset in _EXACT_CROP)
+    floor = max(cache.layers[0].key.crop_floor, cache.layers[0].value.crop_floor)
+    before = cache.state_dict()
+    full = [t.clone() for t in cache.dequantize(0)]
+    if n - k < floor:
+        with pytest.raises(ValueError, match=rf"'max_length'.*crop it to {floor} tokens or more"):
+            cache.crop(-k)
+        _assert_same_state(cache, _streamed(preset, K, V, cuts=list(range(1, n + 1))))
+        return
+    cache.crop(n - k) if k % 2 else cache.crop(-k)  # both spellings
+    assert cache.get_seq_length(0) == cache.get_seq_length(1) == n - k
+    assert all(torch.equal(a[:, :, :n - k], b) for a, b in zip(full, cache.dequantize(0)))
+    ref = _streamed(preset, K, V, cuts=list(range(1, n - k + 1)))
+    if preset in _EXACT_CROP:
+        _assert_same_state(cache, ref)
+    _step(cache, K, V, n - k, n + 12)  # k + 12 more: the early-compressed tokens' turn has come
+    _step(ref, K, V, n - k, n + 12)
+    _assert_same_state(cache, ref)
+    q = torch.randn(2, 8, 64, dtype=torch.float16)
+    assert torch.equal(kvq.decode_attention(q, cache, 0), kvq.decode_attention(q, ref, 0))
+
+
+def test_crop_keeps_views_and_edge_cases():
+    x = make_kv(1, 2, 40, 64, torch.float16)
+    cache = kvq.KVCache("fp16")
+    cache.update(x, x, 0)
+    view = cache.dequantize(0)[0]
+    cache.crop(30)
+    cache.update(-x[:, :, :5], -x[:, :, :5], 0)  # writes rows 30..34 of a copy
+    assert torch.equal(view, x)
+    cache.crop(100)  # longer than the layer: nothing to do
+    assert cache.get_seq_length(0) == 35
+    cache.crop(-1000)  # more than it holds: empty, as a fresh layer
+    assert cache.get_seq_length(0) == 0 and cache.layers[0].key._shape is None
+    with pytest.raises(TypeError, match="'max_length'"):
+        cache.crop(1.5)
+    two = kvq.KVCache("kivi-2", num_layers=2)
+    two.update(make_kv(1, 2, 150, 64, torch.float16), make_kv(1, 2, 150, 64, torch.float16), 0)
+    two.update(make_kv(1, 2, 100, 64, torch.float16), make_kv(1, 2, 100, 64, torch.float16), 1)
+    with pytest.raises(ValueError, match="layer 0 cannot keep 120"):
+        two.crop(120)  # layer 1 (100 tokens, all in the residual) is not touched either
+    assert two.get_seq_length(1) == 100
+    two.crop(90, layer_idx=1)
+    assert (two.get_seq_length(0), two.get_seq_length(1)) == (150, 90)

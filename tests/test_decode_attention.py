@@ -317,3 +317,85 @@ def test_fully_masked_row_gives_zeros(device, preset):
     out = kvq.decode_attention(q, cache, 0, attn_mask=mask)
     assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert torch.isfinite(out).all() and out[0].abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- prefix attention
+def _prefix_cache(preset, dtype=torch.float32):
+    """2 layers, B = 2, H = 2, D = 64: a prefill of 70, single tokens to 100, steps of 5 to 230
+    (compressed part, full-precision part and, for GEAR, decode blocks all non-empty)."""
+    cache = kvq.KVCache(preset)
+    x = [torch.randn(2, 2, 230, 64, dtype=dtype) * (1 + torch.rand(2, 2, 1, 64, dtype=dtype)) for _ in range(2)]
+    a = 0
+    for b in [70] + list(range(71, 100)) + list(range(105, 231, 5)):
+        cache.update(x[0][:, :, a:b], x[1][:, :, a:b], 0)
+        a = b
+    return cache
+
+
+def _attention_reference(q, K, V, allowed, scale):
+    g = q.shape[1] // K.shape[1]
+    K, V = K.double().repeat_interleave(g, 1), V.double().repeat_interleave(g, 1)
+    s = (q.double() @ K.transpose(-1, -2)) * scale
+    p = torch.softmax(s.masked_fill(~allowed[:, None], float("-inf")), -1).nan_to_num(0.0)
+    return p @ V
+
+
+@pytest.mark.parametrize("preset", sorted(kvq.PRESETS))
+def test_dequantize_range_is_the_slice_of_dequantize(preset):
+    cache = _prefix_cache(preset, torch.float16)
+    for st in (cache.layers[0].key, cache.layers[0].value):
+        full, T = st.dequantize(), st.seq_len
+        for a, b in [(0, T), (0, 1), (5, 77), (31, 33), (64, 128), (100, 229), (128, 200), (200, T), (7, 7)]:
+            assert torch.equal(st.dequantize_range(a, b), full[:, :, a:b]), (a, b)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("preset", sorted(kvq.PRESETS))
+def test_prefix_attention_equals_attention_over_the_dequantized_cache(preset, masked, monkeypatch):
+    cache = _prefix_cache(preset)
+    P, t = cache.get_seq_length(0), 9
+    q = torch.randn(2, 8, t, 64)  # GQA: Hq = 4 H
+    kn, vn = torch.randn(2, 2, t, 64), torch.randn(2, 2, t, 64)
+    K, V = (torch.cat([d, n], dim=2) for d, n in zip(cache.dequantize(0), (kn, vn)))
+    allowed = torch.cat([torch.ones(t, P, dtype=torch.bool), torch.ones(t, t, dtype=torch.bool).tril()], 1)
+    allowed = allowed.expand(2, t, P + t).clone()
+    mask = None
+    if masked:  # left padding of row 0, a query of row 1 that attends to nothing
+        allowed[0, :, :5] = False
+        allowed[1, 3] = False
+        mask = allowed.clone()
+    ref = _attention_reference(q, K, V, allowed, 0.125)
+
+    def no_full_dequantize(*a, **k):
+        raise AssertionError("prefix_attention dequantized the whole layer")
+    for st in (cache.layers[0].key, cache.layers[0].value):
+        monkeypatch.setattr(st, "dequantize", no_full_dequantize)
+    out = kvq.prefix_attention(q, cache, 0, kn, vn, attn_mask=mask, chunk_size=50)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.allclose(out.double(), ref, atol=2e-5, rtol=1e-5)
+    if masked:
+        assert torch.equal(out[1, :, 3], torch.zeros_like(out[1, :, 3]))
+    # the fresh tokens already appended (their arrival may have compressed past tokens):
+    # past_length names the past
+    cache.update(kn, vn, 0)
+    K2, V2 = (torch.cat([st.dequantize_range(0, P), n], dim=2)
+              for st, n in zip((cache.layers[0].key, cache.layers[0].value), (kn, vn)))
+    out2 = kvq.prefix_attention(q, cache, 0, kn, vn, attn_mask=mask, past_length=P, chunk_size=50)
+    assert torch.allclose(out2.double(), _attention_reference(q, K2, V2, allowed, 0.125), atol=2e-5, rtol=1e-5)
+
+
+def test_prefix_attention_errors():
+    cache = _prefix_cache("kivi-2")
+    q, k = torch.randn(2, 8, 3, 64), torch.randn(2, 2, 3, 64)
+    with pytest.raises(ValueError, match="'past_length'"):
+        kvq.prefix_attention(q, cache, 0, k, k, past_length=10_000)
+    with pytest.raises(ValueError, match="'attn_mask'"):
+        kvq.prefix_attention(q, cache, 0, k, k, attn_mask=torch.ones(2, 3, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="'q'"):
+        kvq.prefix_attention(torch.randn(2, 7, 3, 64), cache, 0, k, k)
+    with pytest.raises(ValueError, match="'key'"):
+        kvq.prefix_attention(q, cache, 0, k[:, :, :2], k)
+    with pytest.raises(ValueError, match="'chunk_size'"):
+        kvq.prefix_attention(q, cache, 0, k, k, chunk_size=0)
+    with pytest.raises(ValueError, match="empty"):
+        kvq.prefix_attention(q, kvq.KVCache("kivi-2", num_layers=1), 0, k, k)

@@ -183,7 +183,9 @@ def test_corrections_rebuilt_from_old_state():
     torch.testing.assert_close(kvq.decode_attention(q, other, 0), kvq.decode_attention(q, cache, 0), rtol=0, atol=0)
 
 
-def test_kcvt_backbone_falls_back():
+def test_kcvt_backbone_falls_back(monkeypatch):
+    import kvquant_ext.attention as ka
+    monkeypatch.setattr(ka, "_warned", set())  # the warning is once per process and config type
     cache = gear_cache("gear-4", 1, 2, 100, 64, torch.float16, "cpu", steps=25)
     q = torch.randn(1, 4, 64, dtype=torch.float16)
     with pytest.warns(RuntimeWarning, match="no fused kernel"):

@@ -340,6 +340,53 @@ def test_chunked_prefill_and_multi_token_steps():
     assert _rel(fwd(model, ids[:, 170:], k)[:, -1], ref) < 0.02
 
 
+@pytest.mark.filterwarnings("ignore:kvq.decode_attention:RuntimeWarning")  # GEAR decode on CPU
+@pytest.mark.parametrize("preset", ["fp16", "kivi-4", "hqmq-5", "gear-2", "int4-per-token"])
+def test_chunked_prefill_and_follow_up_prompt_read_the_compressed_past(preset, monkeypatch):
+    """Chunks and a second-turn prompt on a filled cache go through kvq.prefix_attention (the
+    layer is never dequantized whole): logits close to the same cache fed token by token;
+    the fp16 preset's are those of DynamicCache."""
+    model = tiny_model()
+    ids = torch.randint(1, VOCAB, (1, 200))
+    tbt = kh.QuantizedCache(preset)  # prefill, then one token per step
+    ref = teacher_forced_logits(model, ids, tbt, 90)[:, -1]
+    dyn = fwd(model, ids, DynamicCache())[:, -1]
+    calls = []
+    real = kvq.prefix_attention
+    monkeypatch.setattr(kh, "prefix_attention", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+
+    def no_full_dequantize(self, layer_idx):
+        raise AssertionError("the past was dequantized whole")
+    monkeypatch.setattr(kvq.KVCache, "dequantize", no_full_dequantize)
+    c = kh.QuantizedCache(preset)
+    fwd(model, ids[:, :90], c)
+    fwd(model, ids[:, 90:170], c)                 # a chunk
+    last = fwd(model, ids[:, 170:], c)[:, -1]     # a follow-up prompt
+    assert c.get_seq_length() == 200
+    if preset == "fp16":
+        assert not calls and torch.allclose(last, dyn, atol=1e-4, rtol=1e-4)
+        return
+    assert len(calls) == 2 * 2  # two multi-token steps x two layers
+    # the two ways of feeding differ by less than the compression error itself, and the
+    # chunks are no further from full precision than the token-by-token run
+    err = _rel(ref, dyn)
+    assert _rel(last, ref) < err and _rel(last, dyn) < 1.25 * err
+
+
+def test_two_turn_generation_fp16_is_token_identical_to_dynamic_cache():
+    model = tiny_model()
+    turn1, turn2 = torch.randint(1, VOCAB, (1, 30)), torch.randint(1, VOCAB, (1, 12))
+    outs = []
+    for cache in (DynamicCache(), kh.QuantizedCache("fp16")):
+        a = gen(model, turn1, cache, n=8)
+        outs.append(gen(model, torch.cat([a, turn2], dim=1), cache, n=8))
+    assert torch.equal(outs[0], outs[1])
+    cache = kh.QuantizedCache("kivi-4")
+    a = gen(model, turn1, cache, n=8)
+    b = gen(model, torch.cat([a, turn2], dim=1), cache, n=8)
+    assert (b == outs[0]).float().mean() > 0.9
+
+
 def test_other_attention_falls_back_with_a_warning():
     model = tiny_model()
     model.set_attn_implementation("sdpa")
@@ -360,13 +407,83 @@ def test_kvq_attention_with_plain_cache_is_sdpa():
     assert torch.equal(out, gen(model, ids, DynamicCache(), n=8))
 
 
-def test_beam_search_is_refused_clearly():
-    model = tiny_model()
+def _beams(model, ids, cache, n=6, beams=3):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              min_new_tokens=n, num_beams=beams, num_return_sequences=beams,
+                              do_sample=False, pad_token_id=0, **{kh.cache_kwarg(model): cache})
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_beam_search_reorders_the_compressed_cache(family, monkeypatch):
+    """Beam search expands the batch (batch_repeat_interleave) and reorders it every step
+    (reorder_cache): with the fp16 preset the beams are those of DynamicCache (gemma3: the
+    sliding layers too); with KIVI-4 decode still reads the compressed layers, reordered."""
+    model = tiny_model(family)
+    ids = torch.randint(1, VOCAB, (2, 20))
+    ref = _beams(model, ids, DynamicCache())
+    assert torch.equal(_beams(model, ids, kh.QuantizedCache("fp16")), ref)
+    calls = []
+    real = kvq.KVCache.batch_select
+    monkeypatch.setattr(kvq.KVCache, "batch_select",
+                        lambda self, idx, layer_idx=None: (calls.append(idx), real(self, idx, layer_idx))[1])
+    cache = kh.QuantizedCache("kivi-4")
+    out = _beams(model, ids, cache)
+    assert calls and cache.kv.batch_size == 6
+    assert (out == ref).float().mean() > 0.9
+
+
+def _assistant():
+    a = tiny_model()
+    with torch.no_grad():  # a slightly different model: some drafts are rejected
+        for p in a.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return a
+
+
+def _assisted(model, assistant, ids, cache, n=20):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                              do_sample=False, pad_token_id=0, assistant_model=assistant,
+                              **{kh.cache_kwarg(model): cache})
+
+
+def test_assisted_decoding_crops_exactly_croppable_caches(monkeypatch):
+    """Assisted decoding crops the rejected drafts: fp16 gives greedy's tokens; per-token INT
+    (is_croppable) runs and its crops are called; KIVI (values in a FIFO: a crop could not put
+    the layer back) is refused by transformers up front."""
+    model, assistant = tiny_model(), _assistant()
     ids = torch.randint(1, VOCAB, (1, 20))
-    with pytest.raises(NotImplementedError, match="beam"):
-        with torch.no_grad():
-            model.generate(input_ids=ids, max_new_tokens=4, num_beams=2, do_sample=False,
-                           pad_token_id=0, **{kh.cache_kwarg(model): kh.QuantizedCache("kivi-2")})
+    ref = gen(model, ids, DynamicCache(), n=20)
+    assert torch.equal(_assisted(model, assistant, ids, kh.QuantizedCache("fp16")), ref)
+    crops = []
+    real = kvq.KVCache.crop
+    monkeypatch.setattr(kvq.KVCache, "crop", lambda self, m, layer_idx=None: (crops.append(m), real(self, m, layer_idx))[1])
+    cache = kh.QuantizedCache("int4-per-token")
+    assert cache.is_croppable is True
+    out = _assisted(model, assistant, ids, cache)
+    assert any(m < 0 for m in crops) and out.shape[1] == ids.shape[1] + 20
+    assert cache.get_seq_length() == out.shape[1] - 1
+    assert kh.QuantizedCache("kivi-2", model.config).is_croppable is False
+    with pytest.raises(ValueError, match="cropped"):
+        _assisted(model, assistant, ids, kh.QuantizedCache("kivi-2"))
+
+
+def test_layer_crop_semantics():
+    model = tiny_model("gemma3")
+    cache = kh.QuantizedCache("kivi-2")
+    cache.activate_past_recording()  # before the layers are known: the sliding ones record
+    fwd(model, torch.randint(1, VOCAB, (1, 150)), cache)
+    assert [l.kind for l in cache.layers] == ["sliding", "compressed"] * 2
+    with pytest.raises(ValueError, match="positive value"):
+        cache.crop(3)
+    cache.crop(0)
+    assert cache.get_seq_length() == 150
+    cache.crop(-10)  # keys: 128 quantized + 12 residual
+    assert [l.get_seq_length() for l in cache.layers] == [140] * 4
+    with pytest.raises(ValueError, match="'max_length'.*128 tokens or more"):
+        cache.crop(-20)
+    assert [l.get_seq_length() for l in cache.layers] == [140] * 4
 
 
 def test_lazy_import():

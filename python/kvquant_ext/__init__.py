@@ -39,7 +39,7 @@ from ._ops import (dequantize, gear_compress, gear_decompress, hqmq_decode, hqmq
                    lowrank_power_iter, outlier_count, outlier_index_dtype, outlier_select,
                    quantize)
 from . import gear, hqmq, streams  # noqa: F401  (each registers its formats on import)
-from .attention import decode_attention, uses_fused_kernel
+from .attention import decode_attention, prefix_attention, uses_fused_kernel
 from .cache import KVCache
 from .paged import PagedKVCache
 from .compressed import Compressed, FullPrecision, GroupQuantized
@@ -79,7 +79,7 @@ __all__ = [
     "HQMQCompressed", "HQMQConfig", "HQMQStream", "hqmq_decode", "hqmq_encode", "hqmq_secondary",
     "PRESETS", "CompressionConfig", "Compressed", "FP16Config", "FlexGenConfig", "FullPrecision",
     "GroupQuantBase", "GroupQuantConfig", "GroupQuantized", "KCVTConfig", "KIVIConfig", "KVCache", "PagedKVCache",
-    "PerTokenIntConfig", "QuantSpec", "compress", "decode_attention", "dequantize", "get_config", "quantize",
+    "PerTokenIntConfig", "QuantSpec", "compress", "decode_attention", "prefix_attention", "dequantize", "get_config", "quantize",
     "register_format", "register_preset", "uses_fused_kernel", "hqmq_seed", "med3_threshold",
     "GEARCompressed", "GEARConfig", "GEARStream", "gear_compress", "gear_decompress",
     "lowrank_power_iter", "outlier_count", "outlier_index_dtype", "outlier_select",

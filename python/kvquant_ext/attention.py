@@ -199,3 +199,108 @@ def _sdpa(q, K, V, scale, attn_mask, gqa):
         out = torch.where(attn_mask.any(dim=1)[:, None, None], out, torch.zeros_like(out))
     return out
 
+
+
+def prefix_attention(q: torch.Tensor, cache, layer_idx: int, key: torch.Tensor, value: torch.Tensor,
+                     scale: Optional[float] = None, *, past_length: Optional[int] = None,
+                     attn_mask: Optional[torch.Tensor] = None, chunk_size: int = 4096) -> torch.Tensor:
+    """Causal attention of ``t`` new query tokens over the first ``past_length`` tokens of
+    ``cache`` layer ``layer_idx`` (the past, as the cache holds it) followed by the ``t`` fresh
+    tokens ``key`` / ``value`` in full precision: query ``i`` attends to every past token and
+    to fresh tokens ``0 .. i``.
+
+    The past is read in chunks of at most ``chunk_size`` tokens, cut where no compressed unit
+    is split (a GEAR block is decoded whole, so a chunk can be as long as one), each dequantized
+    from the stored codes alone (``Stream.dequantize_range``); scores, the running max and the
+    softmax denominator stay in fp32 and the chunks merge online, so no full-precision copy of
+    the past is ever made.  FP16 layers attend through SDPA.
+
+    Parameters
+    ----------
+    q : ``[B, Hq, t, D]``, Hq a multiple of the cache's KV heads H.
+    key, value : ``[B, H, t, D]``, the fresh tokens (they may already be appended to the cache:
+        then pass ``past_length = seq_len - t``).
+    past_length : past tokens to attend to (default: every token the layer holds).
+    attn_mask : optional bool ``[B, t, past_length + t]`` or ``[B, 1, t, past_length + t]``
+        (True = attend; a float mask: 0 attends), combined with the causal rule; a query row
+        with nothing to attend to gives zeros.
+
+    Returns ``[B, Hq, t, D]`` in q's dtype.
+    """
+    for name, x in (("q", q), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"argument '{name}' must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"argument '{name}' must be 4-D [B, heads, t, D], got {tuple(x.shape)}")
+    layer = cache._layer(layer_idx)
+    kst, vst = layer.key, layer.value
+    if kst._shape is None:
+        raise ValueError(f"layer {layer_idx} of the cache is empty")
+    Bc, H, Dc = kst._shape
+    B, Hq, t, D = q.shape
+    if (B, D) != (Bc, Dc) or Hq % H:
+        raise ValueError(f"argument 'q' {tuple(q.shape)} does not fit the cache's [B, H, D] = [{Bc}, {H}, {Dc}] "
+                         "(Hq a multiple of H)")
+    if key.shape != (B, H, t, D) or value.shape != key.shape:
+        raise ValueError(f"arguments 'key' {tuple(key.shape)} and 'value' {tuple(value.shape)} must be "
+                         f"[B, H, t, D] = [{B}, {H}, {t}, {D}]")
+    T = kst.seq_len
+    P = T if past_length is None else past_length
+    if isinstance(P, bool) or not isinstance(P, int) or not 0 <= P <= T:
+        raise ValueError(f"argument 'past_length' must be an int in [0, {T}], got {past_length!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"argument 'chunk_size' must be an int >= 1, got {chunk_size!r}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    mask = None
+    if attn_mask is not None:
+        m = attn_mask[:, 0] if attn_mask.dim() == 4 else attn_mask
+        if m.shape != (B, t, P + t):
+            raise ValueError(f"argument 'attn_mask' must be [B, t, past_length + t] = [{B}, {t}, {P + t}] "
+                             f"(or with a head dim of 1), got {tuple(attn_mask.shape)}")
+        mask = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        mask = mask.to(q.device)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    g = Hq // H
+
+    if isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
+        K = torch.cat([kst.dequantize_range(0, P), key.to(kst.dtype)], dim=2)
+        V = torch.cat([vst.dequantize_range(0, P), value.to(kst.dtype)], dim=2)
+        full = torch.cat([torch.ones(t, P, dtype=torch.bool, device=q.device), causal], dim=1)
+        full = full.expand(B, t, P + t) if mask is None else full & mask
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.to(kst.dtype), K, V, attn_mask=full[:, None], scale=scale, enable_gqa=g > 1)
+        return torch.where(full.any(-1)[:, None, :, None], out, torch.zeros_like(out)).to(q.dtype)
+
+    # fp32 online softmax; query heads grouped by KV head: rows [B, H, g * t]
+    qf = q.float().reshape(B, H, g * t, D) * scale
+    m_run = torch.full((B, H, g * t), float("-inf"), device=q.device)
+    l_run = torch.zeros((B, H, g * t), device=q.device)
+    acc = torch.zeros((B, H, g * t, D), device=q.device)
+
+    def merge(K, V, allowed):  # allowed: [B or 1, t, n] bool
+        nonlocal m_run, l_run, acc
+        s = qf @ K.float().transpose(-1, -2)  # [B, H, g*t, n]
+        s = s.view(B, H, g, t, -1).masked_fill(~allowed[:, None, None], float("-inf")).view(B, H, g * t, -1)
+        m_new = torch.maximum(m_run, s.amax(-1))
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(s - safe[..., None])
+        corr = torch.exp(m_run - safe)
+        l_run = l_run * corr + p.sum(-1)
+        acc = acc * corr[..., None] + p @ V.float()
+        m_run = m_new
+
+    a = 0
+    while a < P:
+        b = min(a + chunk_size, P)
+        while b < P:  # the first common cut of both roles at or after it
+            c = max(kst.range_cut(b), vst.range_cut(b))
+            if c == b:
+                break
+            b = min(c, P)
+        allowed = torch.ones(1, t, b - a, dtype=torch.bool, device=q.device) if mask is None else mask[:, :, a:b]
+        merge(kst.dequantize_range(a, b), vst.dequantize_range(a, b), allowed)
+        a = b
+    merge(key, value, causal[None] if mask is None else causal[None] & mask[:, :, P:])
+    out = torch.where(l_run[..., None] > 0, acc / l_run.clamp_min(1e-30)[..., None], torch.zeros_like(acc))
+    return out.reshape(B, Hq, t, D).to(q.dtype)

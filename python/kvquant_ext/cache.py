@@ -115,6 +115,116 @@ class KVCache:
                              f"{len(self.layers)} layers")
         return self.layers[layer_idx]
 
+    # -- batch ------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> Optional[int]:
+        """Rows of the batch the cache holds (None before the first append)."""
+        for layer in self.layers:
+            if layer.key._shape is not None:
+                return layer.key._shape[0]
+        return None
+
+    def _layers_arg(self, layer_idx: Optional[int]) -> List[LayerCache]:
+        return list(self.layers) if layer_idx is None else [self._layer(layer_idx)]
+
+    def batch_select(self, indices, layer_idx: Optional[int] = None) -> None:
+        """Keep the batch rows ``indices`` (a 1-D integer tensor or sequence, each in
+        ``[0, B)``; repeats allowed, e.g. beam search's ``beam_idx``) of every layer, or of layer
+        ``layer_idx`` only.  Each layer becomes the cache those rows' tokens would have built:
+        every stored tensor is index-selected along its batch dimension and the structures that
+        name (batch, head) positions (HQMQ's outlier records and their index) are rebuilt.  What
+        is per head and not per row stays: HQMQ's secondary sets and Med3x threshold (computed
+        over the batch of the first append)."""
+        layers = self._layers_arg(layer_idx)
+        if isinstance(indices, torch.Tensor):
+            index = indices
+        else:
+            try:
+                index = torch.as_tensor(indices)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"argument 'indices' must be a 1-D integer tensor or sequence, "
+                                f"got {type(indices).__name__}") from None
+        if index.dim() != 1 or index.dtype.is_floating_point or index.dtype.is_complex or \
+                index.dtype == torch.bool:
+            raise TypeError(f"argument 'indices' must be a 1-D integer tensor, got "
+                            f"{index.dtype} of shape {tuple(index.shape)}")
+        if index.numel() == 0:
+            raise ValueError("argument 'indices' must select at least one batch row")
+        filled = [l for l in layers if l.key._shape is not None]
+        if not filled:
+            return
+        lo, hi = int(index.min()), int(index.max())  # one host sync
+        for layer in filled:  # all checked before any layer changes
+            B = layer.key._shape[0]
+            if lo < 0 or hi >= B:
+                raise ValueError(f"argument 'indices' has entries in [{lo}, {hi}], outside the "
+                                 f"cache's batch rows [0, {B})")
+        for layer in filled:
+            for st in (layer.key, layer.value):
+                if st._shape is not None:
+                    st.batch_select(index.to(device=st.device, dtype=torch.int64))
+
+    def batch_repeat_interleave(self, repeats: int, layer_idx: Optional[int] = None) -> None:
+        """Repeat every batch row ``repeats`` times in place (row b becomes rows
+        ``b * repeats .. b * repeats + repeats - 1``), as ``Tensor.repeat_interleave(repeats, 0)``."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ValueError(f"argument 'repeats' must be an int >= 1, got {repeats!r}")
+        for layer in self._layers_arg(layer_idx):
+            if layer.key._shape is not None:
+                B = layer.key._shape[0]
+                self.batch_select(torch.arange(B).repeat_interleave(repeats), self.layers.index(layer))
+
+    # -- crop -------------------------------------------------------------------------
+    def crop(self, max_length: int, layer_idx: Optional[int] = None) -> None:
+        """Remove the newest tokens of every layer (or of layer ``layer_idx``): keep the first
+        ``max_length`` tokens, or with a negative ``max_length`` remove ``-max_length`` tokens
+        (a layer shorter than ``max_length`` is left as it is).
+
+        Every kept token keeps the value the cache held for it.  Where the streaming rule
+        stores the removed tokens apart from the kept ones the layer becomes the one the kept
+        tokens alone would have built (:meth:`crop_is_exact`); otherwise kept tokens that the
+        removed ones pushed out of a full-precision window stay compressed.  A layer cannot
+        be cropped into a compressed block that also holds removed tokens (a KIVI/KCVT
+        per-channel key block, a GEAR block): that raises ``ValueError`` naming the shortest
+        length it can be cropped to, and no layer changes.  ``max_length`` 0 empties the layers.
+        The rule per method is in docs/design.md."""
+        for i, n in self._crop_plan(max_length, layer_idx):
+            if n == 0:
+                self.reset(i)
+            else:
+                layer = self.layers[i]
+                layer.key.crop(n)
+                layer.value.crop(n)
+
+    def _crop_plan(self, max_length: int, layer_idx: Optional[int] = None) -> List[Tuple[int, int]]:
+        """``(layer, tokens to keep)`` of every layer :meth:`crop` changes; raises as it does,
+        changing nothing."""
+        if isinstance(max_length, bool) or not isinstance(max_length, int):
+            raise TypeError(f"argument 'max_length' must be an int, got {type(max_length).__name__}")
+        plan = []
+        for layer in self._layers_arg(layer_idx):
+            i = self.layers.index(layer)
+            T = layer.key.seq_len
+            n = max(T + max_length, 0) if max_length < 0 else min(max_length, T)
+            if n == T:
+                continue
+            floor = max(layer.key.crop_floor, layer.value.crop_floor)
+            if 0 < n < floor:
+                raise ValueError(f"argument 'max_length' ({max_length}): layer {i} cannot keep {n} of its "
+                                 f"{T} tokens: its first {floor} tokens are compressed in blocks that would "
+                                 f"hold removed tokens too; crop it to {floor} tokens or more, or to 0")
+            plan.append((i, n))
+        return plan
+
+    def crop_is_exact(self, layer_idx: int) -> bool:
+        """Does a crop of layer ``layer_idx`` (down to what it allows) always leave it as the
+        kept tokens alone would have built it?  A property of the config and layer (KIVI values
+        and HQMQ/KIVI/GEAR recent windows: no; per-token INT, FlexGen, fp16, HQMQ without a
+        window, KIVI/GEAR keys without a window: yes)."""
+        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else \
+            LayerCache(self.config, layer_idx, self.num_layers_hint, self.check_finite)
+        return layer.key.crop_is_exact and layer.value.crop_is_exact
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):
             return 0

@@ -394,6 +394,47 @@ class GEARStream(Stream):
     def seq_len(self):
         return self.compressed_len + self.buffer_len
 
+    # -- crop -------------------------------------------------------------------------
+    # Down to the compressed blocks (a block's factors and outliers span all of its tokens);
+    # exact when W = 0 (the buffer then holds exactly the tokens after the last block).
+    @property
+    def crop_floor(self):
+        return self.compressed_len
+
+    @property
+    def crop_is_exact(self):
+        return self.config.recent_window == 0
+
+    def crop(self, n):
+        c = self.compressed_len
+        self.buffer = None if self.buffer is None else self.buffer[:, :, :n - c].contiguous()
+
+    def _block_ends(self) -> List[int]:
+        ends = [self.T0] if self.T0 else []
+        nb = self.config.buffer_length
+        return ends + [self.T0 + (j + 1) * nb for j in range(self.num_decode_blocks)]
+
+    def range_cut(self, pos):
+        for e in [0] + self._block_ends():
+            if e >= pos:
+                return e
+        return pos
+
+    def dequantize_range(self, a, b):
+        """The blocks overlapping ``[a, b)`` are decompressed whole (a block's factors and
+        outliers span all of its tokens), then sliced."""
+        parts, start = [], 0
+        blocks = self.blocks if a < self.compressed_len else []
+        for blk in blocks:
+            end = start + blk.shape[2]
+            if start < b and a < end:
+                parts.append(blk.decompress()[:, :, max(a, start) - start:min(b, end) - start])
+            start = end
+        c = self.compressed_len
+        if b > c:
+            parts.append(self.buffer[:, :, max(a, c) - c:b - c])
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0] if parts else self._empty()
+
     def dequantize(self):
         if self._shape is None:
             return None
@@ -430,8 +471,10 @@ class GEARStream(Stream):
                 "buffer": self.buffer}
 
     # -- state ------------------------------------------------------------------
-    def state_dict(self):
-        sd = super().state_dict()
+    unbatched = ("meta",)
+
+    def _state(self):
+        sd = super()._state()
         if self._shape is not None:
             if "buffer" not in sd:
                 sd["buffer"] = self._empty()

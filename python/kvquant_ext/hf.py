@@ -21,9 +21,12 @@ How a step runs
   ``"kvq"`` attention function recognises the handle and calls
   :func:`kvquant_ext.decode_attention` on the compressed layer with the model's scale
   and the padding mask as a ``[B, T]`` bool — the cache is never dequantized whole.
-* **Several new tokens on a non-empty layer** (chunked prefill, assisted decoding):
-  the compressed past is dequantized once, the new tokens are appended, and attention
-  runs on ``cat(past, fresh)`` through SDPA (a rare path, not the per-token one).
+* **Several new tokens on a non-empty layer** (chunked prefill, assisted decoding, a
+  follow-up prompt): the new tokens are appended and ``update`` returns placeholders whose
+  handle carries the fresh full-precision tokens; the ``"kvq"`` attention function runs
+  :func:`kvquant_ext.prefix_attention`, which reads the compressed past chunk by chunk
+  (never a full-precision copy of it) and the fresh tokens causally.  FP16 layers return
+  their stored tensors and run SDPA, as ``DynamicCache``.
 
 The attention function does not receive the cache object, hence the handle: it travels
 with the key tensor that ``Cache.update`` returns, which is exactly what the model
@@ -64,9 +67,10 @@ try:
 except ImportError:  # pragma: no cover - very old transformers
     AttentionMaskInterface = sdpa_mask = None
 
-from .attention import decode_attention
+from .attention import decode_attention, prefix_attention
 from .cache import KVCache
 from .config import CompressionConfig, get_config
+from .streams import FullPrecisionStream
 
 ATTN_NAME = "kvq"
 
@@ -78,10 +82,11 @@ __all__ = ["ATTN_NAME", "QuantizedCache", "QuantizedLayer", "cache_kwarg", "enab
 class _Handle:
     """What ``update`` hands to the attention function (attached to the key tensor)."""
 
-    __slots__ = ("layer", "decode")
+    __slots__ = ("layer", "decode", "prefix")
 
-    def __init__(self, layer: "QuantizedLayer", decode: bool):
-        self.layer, self.decode = layer, decode
+    def __init__(self, layer: "QuantizedLayer", decode: bool, prefix=None):
+        # prefix: (fresh keys, fresh values, past length) of several new tokens on a filled layer
+        self.layer, self.decode, self.prefix = layer, decode, prefix
 
 
 def _tag(key: torch.Tensor, value: torch.Tensor, handle: _Handle):
@@ -101,7 +106,6 @@ class QuantizedLayer(CacheLayerMixin):
     """
 
     is_compileable = False
-    is_croppable = False
     supports_early_init = False
 
     def __init__(self, parent: "QuantizedCache", layer_idx: int, kind: Optional[str] = None,
@@ -113,6 +117,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         self.attn_seen = False  # the "kvq" attention function consumed one of our handles
         self._zero: Optional[torch.Tensor] = None
+        self._record_past = False
+        self.unappended: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
         if kind is not None:
             self.resolve(kind, sliding_window)
 
@@ -130,6 +136,7 @@ class QuantizedLayer(CacheLayerMixin):
             if not sliding_window:
                 raise ValueError("argument 'sliding_window' must be a positive int for a sliding layer")
             self.inner = DynamicSlidingWindowLayer(sliding_window=int(sliding_window))
+            self.inner.record_past = self._record_past
         self.kind = kind
         if self.pending is not None:
             k, v = self.pending
@@ -147,7 +154,15 @@ class QuantizedLayer(CacheLayerMixin):
         self.is_initialized = True
         self.device = key_states.device
 
+    def append_unappended(self) -> None:
+        """Append the tokens of a several-token step whose attention has not run yet."""
+        if self.unappended is not None:
+            k, v = self.unappended
+            self.unappended = None
+            self.parent.kv.update(k, v, self.layer_idx)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.append_unappended()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.kind is None:
@@ -176,9 +191,25 @@ class QuantizedLayer(CacheLayerMixin):
             placeholder = self._zero.expand(B, H, past + 1, D)
             return _tag(placeholder, self._zero.expand(B, H, past + 1, value_states.shape[-1]),
                         _Handle(self, decode=True))
+        if self.attn_seen:
+            # several tokens on a filled layer: kvq.prefix_attention reads the past as the cache
+            # holds it before they arrive, chunk by chunk, then the attention function appends
+            # them (``unappended`` until then; every other access appends them first).
+            # FP16 layers return the stored tensors themselves, for SDPA.
+            kst, vst = kv.layers[idx].key, kv.layers[idx].value
+            if isinstance(kst, FullPrecisionStream) and isinstance(vst, FullPrecisionStream):
+                kv.update(key_states, value_states, idx)
+                return _tag(kst.dequantize(), vst.dequantize(), _Handle(self, decode=False))
+            kst.validate(key_states, "key_states")
+            vst.validate(value_states, "value_states")
+            self.unappended = (key_states, value_states)
+            B, H, _, D = key_states.shape
+            z = key_states.new_zeros(())
+            return _tag(z.expand(B, H, past + t, D), z.expand(B, H, past + t, value_states.shape[-1]),
+                        _Handle(self, decode=False, prefix=(key_states, value_states, past)))
         if t == 1:
             self.parent._warn_fallback()
-        # several tokens on a non-empty layer (or no "kvq" attention): past in, fresh appended
+        # no "kvq" attention: past in, fresh appended
         k_past, v_past = kv.dequantize(idx)
         kv.update(key_states, value_states, idx)
         k = torch.cat([k_past, key_states], dim=-2)
@@ -186,6 +217,7 @@ class QuantizedLayer(CacheLayerMixin):
         return _tag(k, v, _Handle(self, decode=False))
 
     def get_seq_length(self, *args) -> int:
+        self.append_unappended()
         if self.kind == "sliding":
             return self.inner.get_seq_length()
         if self.pending is not None:
@@ -207,6 +239,7 @@ class QuantizedLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
+        self.append_unappended()
         if self.kind == "sliding":
             if not self.inner.is_initialized or self.inner.keys is None:
                 return 0
@@ -220,30 +253,83 @@ class QuantizedLayer(CacheLayerMixin):
         return l.key.nbytes + l.value.nbytes
 
     def reset(self) -> None:
+        self.append_unappended()
         self.pending = None
         if self.kind == "sliding":
             self.inner.reset()
         elif self.layer_idx < self.parent.kv.num_layers:
             self.parent.kv.reset(self.layer_idx)
 
-    def _unsupported(self, what: str):
-        raise NotImplementedError(f"kvq QuantizedCache does not support {what} (compressed "
-                                  "streams cannot be reordered or cut); use greedy/sampling "
-                                  "generation without beams or assistants")
-
-    def reorder_cache(self, beam_idx) -> None:
-        self._unsupported("beam search (reorder_cache)")
-
+    # -- crop (assisted decoding, prompt lookup) ------------------------------------------
     def crop(self, tokens_to_remove: int) -> None:
-        self._unsupported("crop")
+        """transformers' semantics: remove ``-tokens_to_remove`` newest tokens (0: nothing to
+        do; a positive value is refused, as by ``DynamicLayer``).  Compressed layers follow
+        :meth:`kvquant_ext.KVCache.crop` (a crop into a compressed block raises ``ValueError``)."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise TypeError(f"argument 'tokens_to_remove' must be an int, got {type(tokens_to_remove).__name__}")
+        self.append_unappended()
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                             "Please use a negative integer to remove that number of tokens from the cache instead.")
+        if self.kind == "sliding":
+            self.inner.crop(tokens_to_remove)
+        elif tokens_to_remove == 0:
+            return
+        elif self.pending is not None:
+            self.pending = tuple(t[..., :max(t.shape[-2] + tokens_to_remove, 0), :] for t in self.pending)
+        elif self.layer_idx < self.parent.kv.num_layers:
+            self.parent.kv.crop(tokens_to_remove, self.layer_idx)
+
+    @property
+    def is_croppable(self) -> bool:
+        """Can ``crop`` put the layer back as it was (transformers requires it for assisted
+        decoding)?  Sliding and undecided layers: yes (full precision); compressed layers:
+        :meth:`kvquant_ext.KVCache.crop_is_exact` of the config (e.g. per-token INT, HQMQ
+        without a window, fp16: yes; KIVI, whose values sit in a FIFO: no)."""
+        if self.kind == "sliding":
+            return self.inner.is_croppable
+        if self.kind is None:
+            return True
+        return self.parent.kv.crop_is_exact(self.layer_idx)
+
+    def activate_past_recording(self) -> None:
+        """A sliding layer keeps tokens past its window until the next ``crop`` (so that crop
+        can roll it back); compressed layers keep every token anyway."""
+        self.record_past = True
+
+    @property
+    def record_past(self) -> bool:
+        return self._record_past
+
+    @record_past.setter
+    def record_past(self, on: bool) -> None:
+        self._record_past = bool(on)
+        if self.inner is not None:
+            self.inner.record_past = self._record_past
+
+    # -- batch (beam search, contrastive search, batch expansion) ----------------------
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows ``indices`` (repeats allowed); see :meth:`KVCache.batch_select`."""
+        self.append_unappended()
+        if self.kind == "sliding":
+            self.inner.batch_select_indices(indices)
+        elif self.pending is not None:
+            self.pending = tuple(t[indices] for t in self.pending)
+        elif self.layer_idx < self.parent.kv.num_layers:
+            self.parent.kv.batch_select(indices, self.layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``b`` becomes old row ``beam_idx[b]``."""
+        self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.get_seq_length() > 0:
-            self._unsupported("batch_repeat_interleave on a filled cache")
-
-    def batch_select_indices(self, indices) -> None:
-        if self.get_seq_length() > 0:
-            self._unsupported("batch_select_indices on a filled cache")
+        self.append_unappended()
+        if self.kind == "sliding":
+            self.inner.batch_repeat_interleave(repeats)
+        elif self.pending is not None:
+            self.pending = tuple(t.repeat_interleave(repeats, dim=0) for t in self.pending)
+        elif self.layer_idx < self.parent.kv.num_layers:
+            self.parent.kv.batch_repeat_interleave(repeats, self.layer_idx)
 
     def offload(self):  # pragma: no cover - offloading is not supported
         pass
@@ -302,6 +388,7 @@ class QuantizedCache(Cache):
         n = None if model_config is None else len(_layer_kinds(model_config))
         self.kv = KVCache(config, n, check_finite=check_finite)
         self._warned = False
+        self._record_past = False
         super().__init__(layers=[])
         if model_config is not None:
             for i, (kind, window) in enumerate(_layer_kinds(model_config)):
@@ -312,7 +399,28 @@ class QuantizedCache(Cache):
     def _layer(self, layer_idx: int) -> QuantizedLayer:
         while len(self.layers) <= layer_idx:
             self.layers.append(QuantizedLayer(self, len(self.layers)))
+            self.layers[-1].record_past = self._record_past
         return self.layers[layer_idx]
+
+    def append_unappended(self) -> None:
+        for layer in self.layers:
+            layer.append_unappended()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """``QuantizedLayer.crop`` on every layer, after checking that every compressed layer
+        allows it (a refused crop changes no layer)."""
+        self.append_unappended()
+        if isinstance(tokens_to_remove, int) and not isinstance(tokens_to_remove, bool) and tokens_to_remove < 0:
+            for layer in self.layers:
+                if layer.kind == "compressed" and layer.layer_idx < self.kv.num_layers:
+                    self.kv._crop_plan(tokens_to_remove, layer.layer_idx)
+        super().crop(tokens_to_remove)
+
+    def activate_past_recording(self) -> None:
+        """Sliding layers, including those created later, keep the tokens a ``crop`` may need."""
+        self._record_past = True
+        for layer in self.layers:
+            layer.activate_past_recording()
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return self._layer(layer_idx).update(key_states, value_states)
@@ -360,6 +468,7 @@ class QuantizedCache(Cache):
     @property
     def kv_numel(self) -> int:
         """Number of key + value elements the cache represents (for bits/element)."""
+        self.append_unappended()
         n = 0
         for l in self.layers:
             if l.kind == "sliding" and l.inner.keys is not None and l.inner.keys.numel():
@@ -378,6 +487,7 @@ class QuantizedCache(Cache):
         """Everything needed to rebuild the cache: the compressed layers' state (see
         :meth:`kvquant_ext.KVCache.state_dict`) plus each layer's kind and the
         full-precision sliding/pending tensors."""
+        self.append_unappended()
         layers = []
         for l in self.layers:
             d: Dict[str, Any] = {"kind": l.kind, "attn_seen": l.attn_seen}
@@ -457,6 +567,18 @@ def kvq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
             T = key.shape[-2]
             mask = _decode_mask(attention_mask, T)
             out = decode_attention(query, layer.parent.kv, layer.layer_idx, scaling, attn_mask=mask)
+            return out.transpose(1, 2).contiguous(), None
+        if handle.prefix is not None:
+            if kwargs.get("softcap") is not None:
+                raise NotImplementedError("kvq prefix attention does not support logit softcapping")
+            k, v, past = handle.prefix
+            mask = None
+            if attention_mask is not None:
+                mask = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
+                mask = mask[:, :1, -query.shape[2]:, :past + k.shape[2]]
+            out = prefix_attention(query, layer.parent.kv, layer.layer_idx, k, v, scaling,
+                                   past_length=past, attn_mask=mask)
+            layer.append_unappended()
             return out.transpose(1, 2).contiguous(), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, is_causal=is_causal, **kwargs)

@@ -222,6 +222,45 @@ class HQMQStream(Stream):
         if self.codes.length:
             self._index_append(rec, 0, self.codes.length)
 
+    # -- crop -------------------------------------------------------------------------
+    # To any length (per-token codes); exact when W = 0, else the kept tokens that the removed
+    # ones pushed out of the recent window stay encoded.  The Med3x threshold stays as the
+    # first append fixed it.
+    crop_floor = 0
+
+    @property
+    def crop_is_exact(self):
+        return self.config.recent_window == 0
+
+    def crop(self, n):
+        c = self.codes.length
+        if n >= c:
+            self.residual = None if self.residual is None or n == c else self.residual[:, :, :n - c].contiguous()
+            return
+        self.residual = None
+        if self.config.outlier_factor is not None:
+            self._index_truncate(n)
+        else:
+            rec = self._records()
+            rec = rec[rec[:, 0] < n]
+            self.outliers.reset(rec.view(1, 1, -1, 4) if rec.shape[0] else None)
+        self.codes.truncate(n)
+        self.scale.truncate(n)
+
+    def _index_truncate(self, n: int) -> None:
+        """Drop the records of tokens >= n and rewrite the offsets from tile ``n // 32`` on."""
+        ptr = self.outlier_ptr.view()
+        if ptr is None:
+            return
+        B, H, _ = self._shape
+        j0 = n // TILE
+        start = int(ptr[0, 0, j0 * B * H])
+        tail = self._records()[start:]
+        keep = tail[tail[:, 0] < n]
+        self.outliers.truncate(start)
+        self.outlier_ptr.truncate(j0 * B * H + 1)
+        self._index_append(keep, n, n)
+
     def attention_operands(self):
         """(codes, scale, secondary, outliers, outlier_ptr) for
         ``kvq.ops.decode_attention_hqmq`` (records in index order; ``outlier_ptr`` empty
@@ -261,6 +300,24 @@ class HQMQStream(Stream):
             parts.append(self.residual)
         return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0] if parts else self._empty()
 
+    def dequantize_range(self, a, b):
+        c, parts = self.codes.length, []
+        if a < c:
+            e = min(b, c)
+            rec = self._records()
+            ptr = self.outlier_ptr.view()
+            if ptr is not None:  # Med3x: the records of tiles [a // 32, ceil(e / 32)) are contiguous
+                BH = self._shape[0] * self._shape[1]
+                rec = rec[int(ptr[0, 0, a // TILE * BH]):int(ptr[0, 0, -(-e // TILE) * BH])]
+            rec = rec[(rec[:, 0] >= a) & (rec[:, 0] < e)].clone()
+            rec[:, 0] -= a
+            parts.append(_ops.hqmq_decode(self.codes.view()[:, :, a:e].contiguous(),
+                                          self.scale.view()[:, :, a:e].contiguous(), self.secondary, rec,
+                                          self.config.radius_bits, self._shape[2], self.dtype))
+        if b > c:
+            parts.append(self.residual[:, :, max(a, c) - c:b - c])
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0] if parts else self._empty()
+
     @property
     def seq_len(self):
         return self.codes.length + self.residual_len
@@ -271,11 +328,35 @@ class HQMQStream(Stream):
                 "secondary": self.secondary, "threshold": self.threshold,
                 "residual": self.residual}
 
-    def state_dict(self) -> Dict[str, torch.Tensor]:
-        sd = super().state_dict()
+    unbatched = ("secondary", "threshold", "outliers", "outlier_ptr")
+
+    def _state(self) -> Dict[str, torch.Tensor]:
+        sd = super()._state()
         if self._shape is not None:
             sd["proto"] = self._empty()  # [B, H, 0, D] in the cache dtype (0 bytes)
         return sd
+
+    def _select_extra(self, state, index):
+        """Outlier records name their row ``n = b * H + h``: keep those of the selected batch
+        rows, renumbered (a repeated row gets a copy of its records), each row's records in
+        their stored order; ``outlier_ptr`` is rebuilt by ``load_state_dict``.  The secondary
+        sets and the Med3x threshold (per head) stay."""
+        state.pop("outlier_ptr", None)
+        rec = state.get("outliers")
+        if rec is None:
+            return state
+        H = self._shape[1]
+        rec = rec.reshape(-1, 4)
+        n = rec[:, 1] >> 8
+        row, head = n // H, n % H
+        parts = []
+        for j, b in enumerate(index.tolist()):
+            sel = row == b
+            r = rec[sel].clone()
+            r[:, 1] = ((j * H + head[sel]) << 8) | (rec[sel, 1] & 255)
+            parts.append(r)
+        state["outliers"] = torch.cat(parts).view(1, 1, -1, 4)
+        return state
 
     def load_state_dict(self, state):
         self._shape = None

@@ -7,7 +7,7 @@ methods add their own ``Stream`` subclass and register it with
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -26,6 +26,10 @@ class Growable:
         self.buf: Optional[torch.Tensor] = None
         self.length = 0
         self.align = align
+        # rows [0, length) of a buffer never change once written, except through
+        # ``truncate``, which makes the next append write into a copy (views handed out
+        # before a crop keep their values)
+        self._shared = False
         # view() of the used rows, reused while buf and length are unchanged (a decode step
         # reads every stream's views once; most of them change only when a block is flushed)
         self._view: Optional[torch.Tensor] = None
@@ -39,15 +43,23 @@ class Growable:
         if self.buf is None:
             self.buf = torch.empty((*t.shape[:2], self._cap(max(n, 16)), *t.shape[3:]),
                                    dtype=t.dtype, device=t.device)
-        elif self.length + n > self.buf.shape[2]:
-            cap = self._cap(max(self.length + n, 2 * self.buf.shape[2]))
+        elif self.length + n > self.buf.shape[2] or self._shared:
+            grow = self.length + n > self.buf.shape[2]
+            cap = self._cap(max(self.length + n, 2 * self.buf.shape[2] if grow else self.buf.shape[2]))
             nb = torch.empty((*self.buf.shape[:2], cap, *self.buf.shape[3:]), dtype=self.buf.dtype,
                              device=self.buf.device)
             nb[:, :, :self.length] = self.buf[:, :, :self.length]
             self.buf = nb
+            self._shared = False
             self._view = None
         self.buf[:, :, self.length:self.length + n] = t
         self.length += n
+
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` rows along dim 2."""
+        if n < self.length:
+            self.length = n
+            self._shared = self.buf is not None
 
     def view(self) -> Optional[torch.Tensor]:
         if self.buf is None:
@@ -59,7 +71,7 @@ class Growable:
         return v
 
     def reset(self, t: Optional[torch.Tensor]) -> None:
-        self.buf, self.length, self._view = None, 0, None
+        self.buf, self.length, self._shared, self._view = None, 0, False, None
         if t is not None:
             self.append(t)
 
@@ -150,11 +162,64 @@ class Stream:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values() if t is not None)
 
+    #: state entries without a batch dimension (``batch_select`` keeps them as they are); every
+    #: other entry of :meth:`_state` is ``[B, ...]``
+    unbatched: Tuple[str, ...] = ()
+
+    def _state(self) -> Dict[str, torch.Tensor]:
+        """What :meth:`state_dict` saves, without copies."""
+        return {k: v for k, v in self.tensors().items() if v is not None}
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.tensors().items() if v is not None}
+        return {k: v.clone() for k, v in self._state().items()}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
         raise NotImplementedError  # pragma: no cover
+
+    def batch_select(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` (int64 ``[B']`` on the stream's device, each in
+        ``[0, B)``, repeats allowed; :class:`~kvquant_ext.KVCache` validates it): the stream
+        becomes the one rows ``index`` of its appended tokens would have built."""
+        if self._shape is None:  # nothing appended yet
+            return
+        state = {k: v if k in self.unbatched else v.index_select(0, index)
+                 for k, v in self._state().items()}
+        self.load_state_dict(self._select_extra(state, index))
+
+    def _select_extra(self, state: Dict[str, torch.Tensor], index: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Rebuild the state entries that encode batch positions in their values (none here)."""
+        return state
+
+    # -- crop -----------------------------------------------------------------------
+    @property
+    def crop_floor(self) -> int:
+        """The fewest tokens :meth:`crop` can keep (besides 0, which a cache does by
+        resetting the layer): the end of the newest compressed unit (block) that would hold
+        both kept and removed tokens.  A format without its own crop cannot be cropped."""
+        return self.seq_len
+
+    @property
+    def crop_is_exact(self) -> bool:
+        """Does every crop down to ``crop_floor`` leave the stream as if the removed tokens had
+        never been appended (True), or may kept tokens stay compressed that such a stream would
+        still hold in full precision (False; see docs/design.md)?"""
+        return False
+
+    def crop(self, n: int) -> None:
+        """Remove the newest tokens, keeping the first ``n`` (``crop_floor <= n <= seq_len``,
+        checked by :meth:`KVCache.crop`): every kept token keeps the value the stream held for it."""
+        if n != self.seq_len:
+            raise NotImplementedError(f"{type(self).__name__} cannot be cropped")  # pragma: no cover
+
+    def dequantize_range(self, a: int, b: int) -> torch.Tensor:
+        """Tokens ``[a, b)`` (``0 <= a <= b <= seq_len``) ``[B, H, b - a, D]``, bit for bit as
+        :meth:`dequantize` holds them.  Formats without their own dequantize the whole stream."""
+        return self.dequantize()[:, :, a:b]
+
+    def range_cut(self, pos: int) -> int:
+        """The first position >= ``pos`` where a range can start or end without splitting a
+        compressed unit that :meth:`dequantize_range` would decode twice."""
+        return pos
 
     def _empty(self) -> torch.Tensor:
         B, H, D = self._shape
@@ -198,6 +263,15 @@ class FullPrecisionStream(Stream):
 
     def tensors(self):
         return {"data": self.data.view()}
+
+    crop_floor = 0
+    crop_is_exact = True
+
+    def crop(self, n):
+        self.data.truncate(n)
+
+    def dequantize_range(self, a, b):
+        return self.data.view()[:, :, a:b]
 
     def load_state_dict(self, state):
         self._shape = None
@@ -254,6 +328,39 @@ class _QuantStream(Stream):
         return {"codes": self.codes.view(), "scale": self.scale.view(), "zero": self.zero.view(),
                 "residual": self.residual}
 
+    @property
+    def _rows_per_group(self) -> int:
+        """Tokens per scale row: G for per-channel keys (a stream's whole-axis group is R),
+        1 per token."""
+        return self.spec.group_size if self.spec.per_channel else 1
+
+    def range_cut(self, pos):
+        G = self._rows_per_group
+        return -(-pos // G) * G if pos < self.quantized_len else pos
+
+    def dequantize_range(self, a, b):
+        q, parts = self.quantized_len, []
+        if a < q:
+            e, G = min(b, q), self._rows_per_group
+            a0, e0 = a // G * G, -(-e // G) * G
+            out = _ops.dequantize(self.codes.view()[:, :, a0:e0], self.scale.view()[:, :, a0 // G:e0 // G],
+                                  self.zero.view()[:, :, a0 // G:e0 // G], self.spec.bits,
+                                  self.spec.per_channel, self.dtype)
+            parts.append(out[:, :, a - a0:e - a0])
+        if b > q:
+            parts.append(self.residual[:, :, max(a, q) - q:b - q])
+        return torch.cat(parts, dim=2) if len(parts) > 1 else parts[0] if parts else self._empty()
+
+    def _crop_residual(self, n: int) -> None:
+        """Keep the first ``n`` tokens, all of them in the store or the residual as stored."""
+        q = self.quantized_len
+        if n >= q:
+            self.residual = None if self.residual is None else self.residual[:, :, :n - q].contiguous()
+            return
+        for g in (self.codes, self.scale, self.zero):  # per-token rows (FIFO only)
+            g.truncate(n)
+        self.residual = None
+
     def _join_residual(self, x: torch.Tensor) -> torch.Tensor:
         if self.check_finite and not torch.isfinite(x).all():
             raise ValueError("argument 'x' contains NaN or Inf (cache check_finite=True)")
@@ -282,8 +389,8 @@ class _QuantStream(Stream):
         for name in ("codes", "scale", "zero"):
             getattr(self, name).reset(state.get(name))
 
-    def state_dict(self):
-        sd = super().state_dict()
+    def _state(self):
+        sd = super()._state()
         if self._shape is not None and "residual" not in sd:
             sd["residual"] = self._empty()
         return sd
@@ -293,7 +400,21 @@ class BlockFlushStream(_QuantStream):
     """KIVI keys (per-channel): tokens wait in a full-precision buffer; whenever it holds
     R tokens older than the recent window (W newest tokens) they are quantized together (R/G
     groups per channel).  A prefill of T tokens quantizes the first R * floor((T - W) / R)
-    and buffers the rest."""
+    and buffers the rest.
+
+    Crop: down to the quantized tokens (a block's scales span all of its tokens); exact when
+    W = 0 (the residual then holds exactly the tokens after the last whole block)."""
+
+    @property
+    def crop_floor(self):
+        return self.quantized_len
+
+    @property
+    def crop_is_exact(self):
+        return self.W == 0
+
+    def crop(self, n):
+        self._crop_residual(n)
 
     def append(self, x, name="x"):
         self._check(x, name)
@@ -308,7 +429,19 @@ class FifoStream(_QuantStream):
     """KIVI values (per-token): a FIFO of the last R + W tokens (residual and recent window)
     stays full precision; tokens pushed out of it are quantized on their own (per-token
     needs no other tokens).  R + W = 0 quantizes every token on arrival (naive per-token
-    INT-b)."""
+    INT-b).
+
+    Crop: to any length (per-token codes are separable); exact when R + W = 0, else the kept
+    tokens that the removed ones pushed out of the FIFO stay quantized."""
+
+    crop_floor = 0
+
+    @property
+    def crop_is_exact(self):
+        return self.R + self.W == 0
+
+    def crop(self, n):
+        self._crop_residual(n)
 
     def append(self, x, name="x"):
         self._check(x, name)
