@@ -320,11 +320,13 @@ def test_fully_masked_row_gives_zeros(device, preset):
 
 
 # ----------------------------------------------------------------------------- prefix attention
-def _prefix_cache(preset, dtype=torch.float32):
+def _prefix_cache(preset, dtype=torch.float32, device="cpu", seed=None):
     """2 layers, B = 2, H = 2, D = 64: a prefill of 70, single tokens to 100, steps of 5 to 230
     (compressed part, full-precision part and, for GEAR, decode blocks all non-empty)."""
     cache = kvq.KVCache(preset)
-    x = [torch.randn(2, 2, 230, 64, dtype=dtype) * (1 + torch.rand(2, 2, 1, 64, dtype=dtype)) for _ in range(2)]
+    g = None if seed is None else torch.Generator().manual_seed(seed)
+    x = [(torch.randn(2, 2, 230, 64, generator=g) * (1 + torch.rand(2, 2, 1, 64, generator=g))).to(dtype).to(device)
+         for _ in range(2)]
     a = 0
     for b in [70] + list(range(71, 100)) + list(range(105, 231, 5)):
         cache.update(x[0][:, :, a:b], x[1][:, :, a:b], 0)
@@ -382,6 +384,21 @@ def test_prefix_attention_equals_attention_over_the_dequantized_cache(preset, ma
               for st, n in zip((cache.layers[0].key, cache.layers[0].value), (kn, vn)))
     out2 = kvq.prefix_attention(q, cache, 0, kn, vn, attn_mask=mask, past_length=P, chunk_size=50)
     assert torch.allclose(out2.double(), _attention_reference(q, K2, V2, allowed, 0.125), atol=2e-5, rtol=1e-5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("preset", ["fp16", "kivi-2", "int4-per-token", "gear-2", "hqmq-3.79", "hqmq-5"])
+def test_cuda_prefix_attention_equals_cpu(preset):
+    """The same streamed fp16 cache on CUDA and on the CPU: prefix_attention agrees (fp32
+    softmax on both; the stored tensors are equal, so only the matmul order differs)."""
+    out = []
+    for dev in ("cpu", "cuda"):
+        cache = _prefix_cache(preset, torch.float16, dev, seed=3)
+        g = torch.Generator().manual_seed(4)
+        q = torch.randn(2, 8, 9, 64, generator=g).half().to(dev)
+        kn, vn = (torch.randn(2, 2, 9, 64, generator=g).half().to(dev) for _ in range(2))
+        out.append(kvq.prefix_attention(q, cache, 0, kn, vn, chunk_size=50).float().cpu())
+    torch.testing.assert_close(out[1], out[0], rtol=2e-3, atol=2e-3)
 
 
 def test_prefix_attention_errors():
