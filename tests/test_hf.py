@@ -471,7 +471,13 @@ def test_assisted_decoding_crops_exactly_croppable_caches(monkeypatch):
 
 def test_layer_crop_semantics():
     model = tiny_model("gemma3")
-    cache = kh.QuantizedCache("kivi-2")
+    kivi = kh.QuantizedCache("kivi-2")
+    kivi.activate_past_recording()
+    fwd(model, torch.randint(1, VOCAB, (1, 150)), kivi)
+    with pytest.raises(ValueError, match="cannot be cropped exactly"):  # values in a FIFO
+        kivi.crop(-1)
+    assert kivi.get_seq_length() == 150
+    cache = kh.QuantizedCache("gear-2")  # exact: a prefill block of 128, the rest buffered
     cache.activate_past_recording()  # before the layers are known: the sliding ones record
     fwd(model, torch.randint(1, VOCAB, (1, 150)), cache)
     assert [l.kind for l in cache.layers] == ["sliding", "compressed"] * 2
@@ -479,7 +485,7 @@ def test_layer_crop_semantics():
         cache.crop(3)
     cache.crop(0)
     assert cache.get_seq_length() == 150
-    cache.crop(-10)  # keys: 128 quantized + 12 residual
+    cache.crop(-10)  # 128 compressed + 12 buffered
     assert [l.get_seq_length() for l in cache.layers] == [140] * 4
     with pytest.raises(ValueError, match="'max_length'.*128 tokens or more"):
         cache.crop(-20)

@@ -94,6 +94,16 @@ def _tag(key: torch.Tensor, value: torch.Tensor, handle: _Handle):
     return key, value
 
 
+def _crop_count(tokens_to_remove) -> int:
+    """``crop``'s argument as an int (transformers < 5.2x passes a 0-dim integer tensor)."""
+    if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.dim() == 0 and \
+            not tokens_to_remove.is_floating_point() and tokens_to_remove.dtype != torch.bool:
+        return int(tokens_to_remove)
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+        raise TypeError(f"argument 'tokens_to_remove' must be an int, got {type(tokens_to_remove).__name__}")
+    return tokens_to_remove
+
+
 # ----------------------------------------------------------------------------- layers
 class QuantizedLayer(CacheLayerMixin):
     """One model layer of a :class:`QuantizedCache`.
@@ -265,8 +275,7 @@ class QuantizedLayer(CacheLayerMixin):
         """transformers' semantics: remove ``-tokens_to_remove`` newest tokens (0: nothing to
         do; a positive value is refused, as by ``DynamicLayer``).  Compressed layers follow
         :meth:`kvquant_ext.KVCache.crop` (a crop into a compressed block raises ``ValueError``)."""
-        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-            raise TypeError(f"argument 'tokens_to_remove' must be an int, got {type(tokens_to_remove).__name__}")
+        tokens_to_remove = _crop_count(tokens_to_remove)
         self.append_unappended()
         if tokens_to_remove > 0:
             raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
@@ -278,7 +287,16 @@ class QuantizedLayer(CacheLayerMixin):
         elif self.pending is not None:
             self.pending = tuple(t[..., :max(t.shape[-2] + tokens_to_remove, 0), :] for t in self.pending)
         elif self.layer_idx < self.parent.kv.num_layers:
+            self._refuse_inexact_crop()
             self.parent.kv.crop(tokens_to_remove, self.layer_idx)
+
+    def _refuse_inexact_crop(self) -> None:
+        # transformers >= 5.2x refuses a cache that is not croppable before generating
+        if self.kind == "compressed" and not self.is_croppable:
+            raise ValueError(f"this QuantizedCache ({type(self.parent.config).__name__}) cannot be cropped "
+                             "exactly (kept tokens would stay in the compressed form the removed ones pushed "
+                             "them into); assisted decoding and prompt lookup need a croppable preset "
+                             "(fp16, per-token INT, FlexGen, HQMQ or GEAR without a recent window)")
 
     @property
     def is_croppable(self) -> bool:
@@ -409,10 +427,12 @@ class QuantizedCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """``QuantizedLayer.crop`` on every layer, after checking that every compressed layer
         allows it (a refused crop changes no layer)."""
+        tokens_to_remove = _crop_count(tokens_to_remove)
         self.append_unappended()
-        if isinstance(tokens_to_remove, int) and not isinstance(tokens_to_remove, bool) and tokens_to_remove < 0:
+        if tokens_to_remove < 0:
             for layer in self.layers:
                 if layer.kind == "compressed" and layer.layer_idx < self.kv.num_layers:
+                    layer._refuse_inexact_crop()
                     self.kv._crop_plan(tokens_to_remove, layer.layer_idx)
         super().crop(tokens_to_remove)
 
