@@ -263,7 +263,7 @@ def test_cuda_long_matches_cpu(preset, D, dtype):
     several decode blocks, and the split combine."""
     B, H, T = 2, 2, 4096
     cache = gear_cache(preset, B, H, T, D, dtype, "cuda", steps=3 * NB + 8, seed=7)
-    q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
+    q = torch.randn(B, 8, D, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
     out = fused(cache, q) if dtype == torch.float16 else kvq.decode_attention(q, cache, 0)
     cpu = kvq.KVCache(preset)
     cpu.load_state_dict(_to_cpu(cache.state_dict()))
@@ -284,7 +284,7 @@ def test_cuda_reads_stored_corrections(preset, dtype):
     kst, vst = cache.layers[0].key, cache.layers[0].value
     kc, ks, kz, kr, kg = kst.attention_operands()
     vc, vs, vz, vr, vg = vst.attention_operands()
-    q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
+    q = torch.randn(B, 8, D, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
     scale = D ** -0.5
 
     def run(kg_, vg_, dev="cuda"):
@@ -333,7 +333,7 @@ def test_cuda_outlier_layouts_match_cpu(cfg, D, dtype, tol):
     blocks) equal the CPU op on the same stored data."""
     B, H, T = 2, 2, 2048
     cache = gear_cache(cfg, B, H, T, D, dtype, "cuda", steps=3 * cfg.buffer_length + 5, seed=11)
-    q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
+    q = torch.randn(B, 8, D, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         out = check(cache, q, tol=tol)
@@ -450,7 +450,7 @@ def test_cuda_decode_heavy_matches_cpu(cfg, D, dtype, P, nblk, extra, tol):
     cache = stream_cache(cfg, B, H, P, nblk, extra, D, dtype, "cuda", seed=13)
     kst = cache.layers[0].key
     assert kst.num_decode_blocks >= nblk - 1
-    q = torch.randn(B, 8, D, dtype=dtype, device="cuda")
+    q = torch.randn(B, 8, D, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         out = check(cache, q, tol=tol)

@@ -30,8 +30,8 @@ At the end the whole layer dequantizes to finite values within the bound of ever
 On CUDA the same tokens stream into a CUDA cache and a CPU cache side by side; at every
 checkpoint the two hold the same stored layout and bytes, the CUDA cache reconstructs the
 interval's tokens with the CPU cache's error (within 3 %), the CUDA memory it holds stays
-within twice its ``nbytes`` (+ 1 MiB), and the median 1-token append time (synchronised)
-obeys the same growth bound.
+within twice its ``nbytes`` (+ 1 MiB) once the ops' one-time workspaces exist, and the
+fastest 1-token append (synchronised) of each interval obeys the same growth bound.
 """
 from __future__ import annotations
 
@@ -298,6 +298,13 @@ def test_soak_cuda_equals_cpu(preset, one_thread):
     D, total = FAMILIES[preset]
     data = {"key": make_data(total, D, 1), "value": make_data(total, D, 2)}
     cpu, gpu = kvq.KVCache(cfg), kvq.KVCache(cfg)
+    # one-time device allocations of the ops (cuBLAS / cuBLASLt workspaces of GEAR's power
+    # iteration, the HQMQ secondary sets) are made by a short warm-up stream, not counted below
+    warm = kvq.KVCache(cfg)
+    for a in range(0, 600, 300):
+        warm.update(data["key"][:, :, a:a + 300].cuda(), data["value"][:, :, a:a + 300].cuda(), 0)
+    warm.update(data["key"][:, :, :1].cuda(), data["value"][:, :, :1].cuda(), 0)
+    del warm
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     marks = [total * (i + 1) // CHECKPOINTS for i in range(CHECKPOINTS)]
@@ -322,15 +329,16 @@ def test_soak_cuda_equals_cpu(preset, one_thread):
         held = torch.cuda.memory_allocated() - base
         assert held <= 2 * gpu.nbytes + (1 << 20), (
             f"{held} bytes of CUDA memory held for {gpu.nbytes} stored at {n} tokens")
-        assert gpu.nbytes == cpu.nbytes
+        assert gpu.nbytes == cpu.nbytes, (n, gpu.nbytes, cpu.nbytes)
         sc, sg = cpu.state_dict(), gpu.state_dict()
-        assert sorted(sc) == sorted(sg)
+        assert sorted(sc) == sorted(sg), sorted(set(sc) ^ set(sg))
         for name, want in sc.items():
             got = sg[name]
             if isinstance(want, torch.Tensor):
-                assert got.is_cuda and got.dtype == want.dtype and got.shape == want.shape, name
+                assert got.is_cuda and got.dtype == want.dtype and got.shape == want.shape, (
+                    name, got.device, got.dtype, tuple(got.shape), want.dtype, tuple(want.shape))
             else:
-                assert got == want, name
+                assert got == want, (name, got, want)
         del sc, sg
         # the CUDA kernels round like their CPU twins up to rare one-step code differences
         # (tests/test_group_quant.py, test_hqmq.py) and low-rank factors computed in another
@@ -342,16 +350,18 @@ def test_soak_cuda_equals_cpu(preset, one_thread):
             assert e_gpu <= 1.03 * e_cpu + 1e-3, (role, n, e_gpu, e_cpu)
         last = n
         c += 1
-    check_append_time(step_times, total, "CUDA ")
+    # the fastest rather than the median: other processes' kernels time-share the device
+    # (a parallel test run), and a synchronised step waits for their slices
+    check_append_time(step_times, total, "CUDA ", min)
 
 
-def check_append_time(step_times, total: int, what: str = "") -> None:
-    """The median 1-token append time after the last checkpoint is within the growth bound of
-    that after the first one."""
-    first, final = statistics.median(step_times[0]), statistics.median(step_times[-1])
+def check_append_time(step_times, total: int, what: str = "", stat=statistics.median) -> None:
+    """The ``stat`` (median) 1-token append time after the last checkpoint is within the growth
+    bound of that after the first one."""
+    first, final = stat(step_times[0]), stat(step_times[-1])
     assert final <= GROWTH * first + SLACK_S, (
-        f"median 1-token {what}append took {first * 1e6:.0f} us after the first checkpoint and "
-        f"{final * 1e6:.0f} us after the last ({total} tokens)")
+        f"{stat.__name__} 1-token {what}append took {first * 1e6:.0f} us after the first checkpoint "
+        f"and {final * 1e6:.0f} us after the last ({total} tokens)")
 
 
 def _rel_err(got: torch.Tensor, x: torch.Tensor) -> float:
