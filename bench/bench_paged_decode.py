@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import kvquant_ext as kvq  # noqa: E402
 from utils import bench_gpu_time, copy_bandwidth, table  # noqa: E402
 
-DEFAULT_PRESETS = ["fp16", "kivi-2", "kivi-4", "int4-per-token", "kcvt-4", "flexgen-4"]
+DEFAULT_PRESETS = ["fp16", "kivi-2", "kivi-4", "int4-per-token", "kcvt-4", "flexgen-4", "hqmq-3.79-paper"]
 H, HQ, D = 8, 32, 128
 
 
@@ -46,16 +46,12 @@ def build(preset, lens, max_tokens=None):
 
 
 def raw_call(cache, ids, q):
-    layer = cache.layers[0]
     bt, lens, comp = cache.batch_tables(0, ids)
     mi = cache.default_max_items(len(ids))
-    spec = cache.kspec
-    bits, kpc, vpc = (spec.bits, spec.per_channel, cache.vspec.per_channel) if spec else (2, True, False)
 
     def fn():
         work = kvq.ops.paged_decode_plan(lens, comp, mi)
-        return kvq.ops.paged_decode_attention(q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp, work,
-                                              bits, kpc, vpc, D ** -0.5)[0]
+        return cache.attention_op(0, q, bt, lens, comp, work, D ** -0.5)[0]
     return fn
 
 
@@ -147,17 +143,23 @@ def main(argv=None):
         slots = torch.tensor([layer.seqs[s].fp_pages[-1] * 128 + 1000 % 128 for s in ids], device="cuda")
         spec = cache.kspec
         bits, kpc, vpc = (spec.bits, spec.per_channel, cache.vspec.per_channel) if spec else (2, True, False)
-        one = lambda: kvq.ops.paged_append(layer.k_fp, layer.v_fp, kt, kt, slots, *layer.comp_tensors(),  # noqa: E731
+        pools = layer.comp_tensors() if cache.hqmq is None else ()
+        one = lambda: kvq.ops.paged_append(layer.k_fp, layer.v_fp, kt, kt, slots, *pools,  # noqa: E731
                                            bits=bits, k_per_channel=kpc, v_per_channel=vpc)
         t1 = bench_gpu_time(one, cold_l2=False)["us"]
         g1 = bench_gpu_time(one, cold_l2=False, graph=True)["us"]
         tf = float("nan")
-        if spec is not None:
+        if cache.compressed:
             src = torch.tensor([layer.seqs[s].fp_pages[-1] for s in ids], device="cuda")
             dst = torch.tensor(layer.free_comp[:32], device="cuda")
-            fill = lambda: kvq.ops.paged_append(layer.k_fp, layer.v_fp, kt, kt, slots,  # noqa: E731
-                                                *layer.comp_tensors(), compress_src=src, compress_dst=dst, bits=bits,
-                                                k_per_channel=kpc, v_per_channel=vpc)
+            if cache.hqmq is not None:
+                def fill():
+                    one()
+                    cache._encode_pages(layer, src, dst)
+            else:
+                fill = lambda: kvq.ops.paged_append(layer.k_fp, layer.v_fp, kt, kt, slots,  # noqa: E731
+                                                    *pools, compress_src=src, compress_dst=dst, bits=bits,
+                                                    k_per_channel=kpc, v_per_channel=vpc)
             tf = bench_gpu_time(fill, cold_l2=False)["us"]
         arows.append([preset, f"{g1:.1f}", f"{t1:.1f}", f"{tf:.1f}"])
         print(arows[-1], flush=True)

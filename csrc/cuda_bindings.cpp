@@ -230,6 +230,20 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cuda(KVQ_PAGED_ATTN_AR
   return {c.out, c.lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_hqmq_cuda(KVQ_PAGED_ATTN_HQMQ_ARGS) {
+  c10::cuda::CUDAGuard guard(q.device());
+  PagedHqmqCall c = prepare_paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes,
+                                                        v_scale, v_secondary, block_table, seq_lens, comp_lens, work,
+                                                        radius_bits, scale);
+  auto& p = c.params.base;
+  c.call.ws = at::empty({p.Hq * p.paged.max_items * (p.D + 2)}, c.call.q.options().dtype(at::kFloat));
+  p.ws = c.call.ws.data_ptr<float>();
+  auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  KVQ_CUDA_CALL("paged_decode_attention_hqmq",
+                attention::paged_decode_attention_hqmq_cuda(c.params, dtype_id(c.call.q.scalar_type()), stream));
+  return {c.call.out, c.call.lse};
+}
+
 }  // namespace kvq
 
 TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
@@ -252,4 +266,5 @@ TORCH_LIBRARY_IMPL(kvq, CUDA, m) {
   // ---- end decode attention CUDA impls ----
   m.impl("paged_decode_plan", &kvq::paged_decode_plan_cuda);
   m.impl("paged_decode_attention", &kvq::paged_decode_attention_cuda);
+  m.impl("paged_decode_attention_hqmq", &kvq::paged_decode_attention_hqmq_cuda);
 }

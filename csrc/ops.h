@@ -268,9 +268,22 @@ struct PagedAttentionCall {
       double scale
 PagedAttentionCall prepare_paged_decode_attention(KVQ_PAGED_ATTN_ARGS);
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARGS);
+struct PagedHqmqCall {
+  PagedAttentionCall call;  // q, outputs, workspace; call.params: the shared part of `params`
+  attention::PagedHqmqParams params;
+};
+#define KVQ_PAGED_ATTN_HQMQ_ARGS                                                                         \
+  const at::Tensor &q, const at::Tensor &k_fp, const at::Tensor &v_fp, const at::Tensor &k_codes,        \
+      const at::Tensor &k_scale, const at::Tensor &k_secondary, const at::Tensor &v_codes,               \
+      const at::Tensor &v_scale, const at::Tensor &v_secondary, const at::Tensor &block_table,           \
+      const at::Tensor &seq_lens, const at::Tensor &comp_lens, const at::Tensor &work, int64_t radius_bits, \
+      double scale
+PagedHqmqCall prepare_paged_decode_attention_hqmq(KVQ_PAGED_ATTN_HQMQ_ARGS);
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_hqmq_cpu(KVQ_PAGED_ATTN_HQMQ_ARGS);
 #ifdef KVQ_WITH_CUDA
 at::Tensor paged_decode_plan_cuda(const at::Tensor& seq_lens, const at::Tensor& comp_lens, int64_t max_items);
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cuda(KVQ_PAGED_ATTN_ARGS);
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_hqmq_cuda(KVQ_PAGED_ATTN_HQMQ_ARGS);
 #endif
 
 }  // namespace kvq

@@ -1,7 +1,9 @@
 // The paged KV ops: kvq.paged_append (tokens into their pages by slot; full pages compressed),
-// kvq.paged_decode_plan (the work list of a batch) and kvq.paged_decode_attention.  Argument
-// checks and the CPU implementations; the CUDA ones are in cuda_bindings.cpp.  Storage layout:
-// include/kvq/attention/paged_decode_attention.h and docs/serving.md.
+// kvq.paged_decode_plan (the work list of a batch), kvq.paged_decode_attention (group-quantized
+// and fp16 pages) and kvq.paged_decode_attention_hqmq (HQMQ pages).  Argument checks and the CPU
+// implementations; the CUDA ones are in cuda_bindings.cpp.  Storage layout:
+// include/kvq/attention/paged_decode_attention.h and docs/serving.md.  Built with
+// -ffp-contract=off like hqmq.cpp, so that the HQMQ pages decode exactly like kvq.hqmq_decode.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -15,6 +17,7 @@ namespace kvq {
 static const char* kAppend = "paged_append";
 static const char* kPlan = "paged_decode_plan";
 static const char* kAttn = "paged_decode_attention";
+static const char* kAttnHqmq = "paged_decode_attention_hqmq";
 
 /// log2 of the page size P of a full-precision pool [pages, H, P, D] (P a power of two).
 static int page_shift_of(const char* op, const at::Tensor& fp, const char* name) {
@@ -201,47 +204,47 @@ at::Tensor paged_decode_plan_cpu(const at::Tensor& seq_lens, const at::Tensor& c
 // ---------------------------------------------------------------------------------------------
 // kvq.paged_decode_attention
 // ---------------------------------------------------------------------------------------------
-PagedAttentionCall prepare_paged_decode_attention(KVQ_PAGED_ATTN_ARGS) {
-  CHECK_FLOATING(kAttn, q, "q");
-  CHECK_DIM(kAttn, q, "q", 3);
-  check_fp_pools(kAttn, k_fp, v_fp);
-  PagedAttentionCall c;
+/// q, the full-precision pools, the tables and the outputs of a paged attention call of `op`
+/// (p.k / p.v: the full-precision pools only; the caller adds the compressed pools).
+static void prepare_paged_common(const char* op, PagedAttentionCall& c, const at::Tensor& q, const at::Tensor& k_fp,
+                                 const at::Tensor& v_fp, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                                 const at::Tensor& comp_lens, const at::Tensor& work, double scale) {
+  CHECK_FLOATING(op, q, "q");
+  CHECK_DIM(op, q, "q", 3);
+  check_fp_pools(op, k_fp, v_fp);
   c.q = q.contiguous();
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t H = k_fp.size(1), P = k_fp.size(2);
-  KVQ_CHECK_ARG(supported_head_dim(D), kAttn, "q", "head dim must be ", kHeadDimsText, ", got ", D);
-  KVQ_CHECK_ARG(k_fp.size(3) == D, kAttn, "k_fp", "must have the head dim of 'q' (", D, "), got ", k_fp.size(3));
-  KVQ_CHECK_ARG(H > 0 && Hq % H == 0, kAttn, "q", "has ", Hq, " heads, which is not a multiple of the cache's ", H,
+  KVQ_CHECK_ARG(supported_head_dim(D), op, "q", "head dim must be ", kHeadDimsText, ", got ", D);
+  KVQ_CHECK_ARG(k_fp.size(3) == D, op, "k_fp", "must have the head dim of 'q' (", D, "), got ", k_fp.size(3));
+  KVQ_CHECK_ARG(H > 0 && Hq % H == 0, op, "q", "has ", Hq, " heads, which is not a multiple of the cache's ", H,
                 " KV heads");
-  KVQ_CHECK_ARG(Hq / H <= attention::kPagedMaxGroup, kAttn, "q", "has ", Hq / H, " query heads per KV head; at most ",
+  KVQ_CHECK_ARG(Hq / H <= attention::kPagedMaxGroup, op, "q", "has ", Hq / H, " query heads per KV head; at most ",
                 attention::kPagedMaxGroup, " are supported per call (split the query heads)");
-  KVQ_CHECK_ARG(q.scalar_type() == k_fp.scalar_type(), kAttn, "q", "must have the cache dtype ", k_fp.scalar_type(),
+  KVQ_CHECK_ARG(q.scalar_type() == k_fp.scalar_type(), op, "q", "must have the cache dtype ", k_fp.scalar_type(),
                 ", got ", q.scalar_type());
-  CHECK_SAME_DEVICE(kAttn, q, "q", k_fp, "k_fp");
+  CHECK_SAME_DEVICE(op, q, "q", k_fp, "k_fp");
   auto& p = c.params;
-  p.paged.page_shift = page_shift_of(kAttn, k_fp, "k_fp");
-  p.k = make_pool_role(kAttn, "k", k_fp, k_codes, k_scale, k_zero, bits, k_per_channel);
-  p.v = make_pool_role(kAttn, "v", v_fp, v_codes, v_scale, v_zero, bits, v_per_channel);
-  KVQ_CHECK_ARG((p.k.codes != nullptr) == (p.v.codes != nullptr), kAttn, "v_codes",
-                "must be given exactly when 'k_codes' is");
-  if (p.k.codes != nullptr)
-    KVQ_CHECK_ARG(k_codes->size(0) == v_codes->size(0), kAttn, "v_codes", "must have as many pages as 'k_codes'");
+  p.paged.page_shift = page_shift_of(op, k_fp, "k_fp");
+  const std::optional<at::Tensor> none;
+  p.k = make_pool_role(op, "k", k_fp, none, none, none, 2, true);
+  p.v = make_pool_role(op, "v", v_fp, none, none, none, 2, false);
   for (const at::Tensor* t : {&block_table, &seq_lens, &comp_lens, &work}) {
     const char* name = t == &block_table ? "block_table" : t == &seq_lens ? "seq_lens" : t == &comp_lens ? "comp_lens"
                                                                                                            : "work";
-    CHECK_DTYPE(kAttn, *t, name, at::kInt);
-    CHECK_SAME_DEVICE(kAttn, q, "q", *t, name);
+    CHECK_DTYPE(op, *t, name, at::kInt);
+    CHECK_SAME_DEVICE(op, q, "q", *t, name);
   }
-  KVQ_CHECK_ARG(block_table.dim() == 2 && block_table.size(0) == n && block_table.stride(1) == 1, kAttn, "block_table",
+  KVQ_CHECK_ARG(block_table.dim() == 2 && block_table.size(0) == n && block_table.stride(1) == 1, op, "block_table",
                 "must be [num_seqs=", n, ", max_pages] with a contiguous last dim, got ", block_table.sizes());
-  KVQ_CHECK_ARG(seq_lens.dim() == 1 && seq_lens.size(0) == n && seq_lens.is_contiguous(), kAttn, "seq_lens",
+  KVQ_CHECK_ARG(seq_lens.dim() == 1 && seq_lens.size(0) == n && seq_lens.is_contiguous(), op, "seq_lens",
                 "must be a contiguous [num_seqs=", n, "]");
-  KVQ_CHECK_ARG(comp_lens.dim() == 1 && comp_lens.size(0) == n && comp_lens.is_contiguous(), kAttn, "comp_lens",
+  KVQ_CHECK_ARG(comp_lens.dim() == 1 && comp_lens.size(0) == n && comp_lens.is_contiguous(), op, "comp_lens",
                 "must be a contiguous [num_seqs=", n, "]");
   const int64_t wn = work.numel() - attention::PagedWork::kHeader - 2 * n;
   KVQ_CHECK_ARG(work.dim() == 1 && work.is_contiguous() && wn > 0 && wn % 3 == 0 &&
                     wn / 3 >= attention::paged_min_items(n),
-                kAttn, "work", "must be the plan of these ", n, " sequences (kvq.paged_decode_plan), got ",
+                op, "work", "must be the plan of these ", n, " sequences (kvq.paged_decode_plan), got ",
                 work.sizes());
   p.paged.max_items = wn / 3;
   p.paged.block_table = block_table.data_ptr<int32_t>();
@@ -257,7 +260,55 @@ PagedAttentionCall prepare_paged_decode_attention(KVQ_PAGED_ATTN_ARGS) {
   p.B = n, p.H = H, p.Hq = Hq, p.D = D, p.T = block_table.size(1) * P;
   p.scale = (float)scale;
   p.dtype_bytes = (int)c.q.element_size();
+}
+
+PagedAttentionCall prepare_paged_decode_attention(KVQ_PAGED_ATTN_ARGS) {
+  PagedAttentionCall c;
+  prepare_paged_common(kAttn, c, q, k_fp, v_fp, block_table, seq_lens, comp_lens, work, scale);
+  auto& p = c.params;
+  p.k = make_pool_role(kAttn, "k", k_fp, k_codes, k_scale, k_zero, bits, k_per_channel);
+  p.v = make_pool_role(kAttn, "v", v_fp, v_codes, v_scale, v_zero, bits, v_per_channel);
+  KVQ_CHECK_ARG((p.k.codes != nullptr) == (p.v.codes != nullptr), kAttn, "v_codes",
+                "must be given exactly when 'k_codes' is");
+  if (p.k.codes != nullptr)
+    KVQ_CHECK_ARG(k_codes->size(0) == v_codes->size(0), kAttn, "v_codes", "must have as many pages as 'k_codes'");
   return c;
+}
+
+/// The CPU reads the lengths and the block table: check them (the CUDA kernels trust them).
+/// `ncp` compressed pages (0: none), `nfp` full-precision pages.
+static void check_paged_tables_cpu(const char* op, const attention::DecodeAttnParams& p, int64_t max_pages,
+                                   int64_t ncp, int64_t nfp) {
+  const int64_t P = int64_t(1) << p.paged.page_shift;
+  for (int64_t s = 0; s < p.B; ++s) {
+    const int64_t len = p.paged.seq_lens[s], comp = p.paged.comp_lens[s];
+    KVQ_CHECK_ARG(len >= 0 && len <= max_pages * P, op, "seq_lens", "entry ", s, " is ", len,
+                  ", outside [0, max_pages * P = ", max_pages * P, "]");
+    KVQ_CHECK_ARG(comp >= 0 && comp <= len && comp % P == 0 && (comp == 0 || ncp > 0), op, "comp_lens", "entry ", s,
+                  " is ", comp, ": must be a multiple of P=", P, " in [0, seq_lens[s]=", len,
+                  "] (and 0 without compressed pools)");
+    for (int64_t i = 0; i < (len + P - 1) / P; ++i) {
+      const int64_t id = p.paged.block_table[s * p.paged.bt_stride + i], lim = i * P < comp ? ncp : nfp;
+      KVQ_CHECK_ARG(id >= 0 && id < lim, op, "block_table", "entry [", s, ", ", i, "] = ", id, " is not a page of ",
+                    i * P < comp ? "the compressed pool" : "the full-precision pool", " (", lim, " pages)");
+    }
+  }
+}
+
+/// Runs row(bh) for every (sequence, KV head) on the CPU's threads, the grain from the
+/// average work of a row.
+template <typename Row>
+static void paged_rows_parallel(const attention::DecodeAttnParams& p, Row&& row) {
+  int64_t total_len = 0;
+  for (int64_t s = 0; s < p.B; ++s) total_len += p.paged.seq_lens[s];
+  const int64_t H = p.H;
+  // per (sequence, KV head), on average: Hq/H queries x its tokens x D, a key and a value
+  // multiply-add each
+  const int64_t per_row = 4 * (p.Hq / std::max<int64_t>(H, 1)) * (total_len / std::max<int64_t>(p.B, 1)) * p.D;
+  at::parallel_for(0, p.B * H, parallel_grain(per_row), [&](int64_t lo, int64_t hi) {
+    std::vector<float> r, kbuf;
+    for (int64_t bh = lo; bh < hi; ++bh) row(bh / H, bh % H, r, kbuf);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARGS) {
@@ -265,38 +316,84 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARG
                                                         v_zero, block_table, seq_lens, comp_lens, work, bits,
                                                         k_per_channel, v_per_channel, scale);
   const auto& p = c.params;
-  // the CPU reads the lengths and the block table: check them (the CUDA kernels trust them)
-  const int64_t P = int64_t(1) << p.paged.page_shift, max_pages = block_table.size(1);
-  const int64_t nfp = k_fp.size(0), ncp = k_codes.has_value() && k_codes->defined() ? k_codes->size(0) : 0;
-  int64_t total_len = 0;
-  for (int64_t s = 0; s < p.B; ++s) {
-    const int64_t len = p.paged.seq_lens[s], comp = p.paged.comp_lens[s];
-    total_len += len;
-    KVQ_CHECK_ARG(len >= 0 && len <= max_pages * P, kAttn, "seq_lens", "entry ", s, " is ", len,
-                  ", outside [0, max_pages * P = ", max_pages * P, "]");
-    KVQ_CHECK_ARG(comp >= 0 && comp <= len && comp % P == 0 && (comp == 0 || ncp > 0), kAttn, "comp_lens", "entry ",
-                  s, " is ", comp, ": must be a multiple of P=", P, " in [0, seq_lens[s]=", len,
-                  "] (and 0 without compressed pools)");
-    for (int64_t i = 0; i < (len + P - 1) / P; ++i) {
-      const int64_t id = p.paged.block_table[s * p.paged.bt_stride + i], lim = i * P < comp ? ncp : nfp;
-      KVQ_CHECK_ARG(id >= 0 && id < lim, kAttn, "block_table", "entry [", s, ", ", i, "] = ", id, " is not a page of ",
-                    i * P < comp ? "the compressed pool" : "the full-precision pool", " (", lim, " pages)");
-    }
-  }
-  const int64_t H = p.H;
+  check_paged_tables_cpu(kAttn, p, block_table.size(1), k_codes.has_value() && k_codes->defined() ? k_codes->size(0) : 0,
+                         k_fp.size(0));
   const auto dt = c.q.scalar_type();
-  // per (sequence, KV head), on average: Hq/H queries x its tokens x D, a key and a value
-  // multiply-add each
-  const int64_t per_row = 4 * (p.Hq / std::max<int64_t>(H, 1)) * (total_len / std::max<int64_t>(p.B, 1)) * p.D;
-  at::parallel_for(0, p.B * H, parallel_grain(per_row), [&](int64_t lo, int64_t hi) {
-    std::vector<float> row, kbuf;
-    for (int64_t bh = lo; bh < hi; ++bh) {
-      KVQ_DISPATCH_DTYPE(dtype_id(dt), DType, [&] {
-        attention::paged_decode_attention_cpu<DType>(p, bh / H, bh % H, row, kbuf);
-      });
-    }
+  paged_rows_parallel(p, [&](int64_t s, int64_t h, std::vector<float>& r, std::vector<float>& kbuf) {
+    KVQ_DISPATCH_DTYPE(dtype_id(dt), DType, [&] { attention::paged_decode_attention_cpu<DType>(p, s, h, r, kbuf); });
   });
   return {c.out, c.lse};
+}
+
+// ---------------------------------------------------------------------------------------------
+// kvq.paged_decode_attention_hqmq
+// ---------------------------------------------------------------------------------------------
+/// The HQMQ pool of one role: codes int32 [pages, H, P, W], radius scales fp16 [pages, H, P],
+/// secondary sets float32 [H, S, 4], all contiguous.
+static attention::HqmqKV make_hqmq_pool_role(const std::string& r, const at::Tensor& fp, const at::Tensor& codes,
+                                             const at::Tensor& scale, const at::Tensor& secondary,
+                                             int64_t radius_bits) {
+  const char* op = kAttnHqmq;
+  const auto cn = r + "_codes", sn = r + "_scale", secn = r + "_secondary";
+  const int64_t H = fp.size(1), P = fp.size(2), D = fp.size(3);
+  CHECK_DTYPE(op, codes, cn.c_str(), at::kInt);
+  CHECK_DTYPE(op, scale, sn.c_str(), at::kHalf);
+  CHECK_DTYPE(op, secondary, secn.c_str(), at::kFloat);
+  CHECK_DIM(op, codes, cn.c_str(), 4);
+  CHECK_DIM(op, scale, sn.c_str(), 3);
+  CHECK_DIM(op, secondary, secn.c_str(), 3);
+  for (const at::Tensor* t : {&codes, &scale, &secondary}) {
+    const char* name = t == &codes ? cn.c_str() : t == &scale ? sn.c_str() : secn.c_str();
+    CHECK_SAME_DEVICE(op, fp, "k_fp", *t, name);
+    KVQ_CHECK_ARG(t->is_contiguous(), op, name, "must be contiguous");
+  }
+  KVQ_CHECK_ARG(secondary.size(0) == H && secondary.size(2) == 4 && secondary.size(1) >= 1 &&
+                    secondary.size(1) <= hqmq::kMaxSecondary,
+                op, secn.c_str(), "must be [H=", H, ", S, 4] with S in 1..", hqmq::kMaxSecondary, ", got ",
+                secondary.sizes());
+  const int64_t S = secondary.size(1);
+  const int W = hqmq::hqmq_words(D, S, (int)radius_bits);
+  KVQ_CHECK_ARG(codes.size(1) == H && codes.size(2) == P && codes.size(3) == W, op, cn.c_str(), "must be [pages, H=", H,
+                ", P=", P, ", W=", W, "] (D=", D, ", S=", S, ", radius_bits=", radius_bits, "), got ", codes.sizes());
+  KVQ_CHECK_ARG(scale.size(0) == codes.size(0) && scale.size(1) == H && scale.size(2) == P, op, sn.c_str(),
+                "must be [pages=", codes.size(0), ", H=", H, ", P=", P, "], got ", scale.sizes());
+  attention::HqmqKV s;
+  s.codes = codes.data_ptr<int32_t>();
+  s.scale = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  s.secondary = secondary.data_ptr<float>();
+  s.codes_sb = codes.stride(0), s.codes_sh = codes.stride(1);
+  s.scale_sb = scale.stride(0), s.scale_sh = scale.stride(1);
+  s.S = S;
+  s.radius_bits = (int)radius_bits;
+  s.field_bits = hqmq::hqmq_dir_bits(S) + (int)radius_bits;
+  s.words = W;
+  return s;
+}
+
+PagedHqmqCall prepare_paged_decode_attention_hqmq(KVQ_PAGED_ATTN_HQMQ_ARGS) {
+  PagedHqmqCall c;
+  prepare_paged_common(kAttnHqmq, c.call, q, k_fp, v_fp, block_table, seq_lens, comp_lens, work, scale);
+  KVQ_CHECK_ARG(radius_bits >= 1 && radius_bits <= 8, kAttnHqmq, "radius_bits", "must be in 1..8, got ", radius_bits);
+  c.params.base = c.call.params;
+  c.params.k = make_hqmq_pool_role("k", k_fp, k_codes, k_scale, k_secondary, radius_bits);
+  c.params.v = make_hqmq_pool_role("v", v_fp, v_codes, v_scale, v_secondary, radius_bits);
+  KVQ_CHECK_ARG(v_codes.size(0) == k_codes.size(0), kAttnHqmq, "v_codes", "must have as many pages as 'k_codes' (",
+                k_codes.size(0), "), got ", v_codes.size(0));
+  return c;
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention_hqmq_cpu(KVQ_PAGED_ATTN_HQMQ_ARGS) {
+  PagedHqmqCall c = prepare_paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes,
+                                                        v_scale, v_secondary, block_table, seq_lens, comp_lens, work,
+                                                        radius_bits, scale);
+  const auto& hp = c.params;
+  check_paged_tables_cpu(kAttnHqmq, hp.base, block_table.size(1), k_codes.size(0), k_fp.size(0));
+  const auto dt = c.call.q.scalar_type();
+  paged_rows_parallel(hp.base, [&](int64_t s, int64_t h, std::vector<float>& r, std::vector<float>& kbuf) {
+    KVQ_DISPATCH_DTYPE(dtype_id(dt), DType,
+                       [&] { attention::paged_decode_attention_hqmq_cpu<DType>(hp, s, h, r, kbuf); });
+  });
+  return {c.call.out, c.call.lse};
 }
 
 }  // namespace kvq

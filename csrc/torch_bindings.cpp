@@ -85,6 +85,12 @@ TORCH_LIBRARY(kvq, m) {
         " Tensor? k_zero, Tensor? v_codes, Tensor? v_scale, Tensor? v_zero, Tensor block_table, Tensor seq_lens,"
         " Tensor comp_lens, Tensor work, int bits, bool k_per_channel, bool v_per_channel, float scale)"
         " -> (Tensor out, Tensor lse)");
+  // HQMQ pages: codes int32 [pages, H, P, W], radius scales fp16 [pages, H, P] (kvq.hqmq_encode of one
+  // [1, H, P, D] block per page), secondary sets [H, S, 4] per role; no Med3x records.
+  m.def("paged_decode_attention_hqmq(Tensor q, Tensor k_fp, Tensor v_fp, Tensor k_codes, Tensor k_scale,"
+        " Tensor k_secondary, Tensor v_codes, Tensor v_scale, Tensor v_secondary, Tensor block_table,"
+        " Tensor seq_lens, Tensor comp_lens, Tensor work, int radius_bits, float scale)"
+        " -> (Tensor out, Tensor lse)");
   // ---- end paged KV ops ----
 }
 
@@ -112,4 +118,5 @@ TORCH_LIBRARY_IMPL(kvq, CPU, m) {
   // ---- end decode attention CPU impls ----
   m.impl("paged_decode_plan", &kvq::paged_decode_plan_cpu);
   m.impl("paged_decode_attention", &kvq::paged_decode_attention_cpu);
+  m.impl("paged_decode_attention_hqmq", &kvq::paged_decode_attention_hqmq_cpu);
 }

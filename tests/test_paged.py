@@ -1,8 +1,11 @@
-"""kvq.PagedKVCache and the paged ops (paged_append, paged_decode_plan, paged_decode_attention).
+"""kvq.PagedKVCache and the paged ops (paged_append, paged_decode_plan, paged_decode_attention,
+paged_decode_attention_hqmq).
 
 References: the stored K/V of a sequence equal a pure-PyTorch group quantization of its whole
-pages plus its full-precision tail (tests/reference/quant_reference.py), and the attention
-equals fp32 softmax attention over those stored K/V, sequence by sequence."""
+pages plus its full-precision tail (tests/reference/quant_reference.py) -- for HQMQ pages, the
+contiguous cache's encoding of the same tokens, bit for bit -- and the attention equals fp32
+softmax attention over those stored K/V, sequence by sequence."""
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +18,7 @@ from reference.quant_reference import dequantize_ref, quantize_ref, unpack_ref
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
 GROUP_PRESETS = ["kivi-2", "kivi-4", "kcvt-4", "int4-per-token", "int2-per-token", "flexgen-4"]
 PRESETS = GROUP_PRESETS + ["fp16"]
+HQMQ_PRESETS = ["hqmq-3.79-paper", "hqmq-3.79"]  # pages compressed when full / past a 128-token window
 
 
 def make_kv(n, H, T, D, dtype, device, gen=None):
@@ -131,7 +135,7 @@ def test_stored_kv_equals_pagewise_quantization(preset, L, chunks):
 
 # ----------------------------------------------------------------------------- attention
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset", PRESETS + HQMQ_PRESETS)
 @pytest.mark.parametrize("D", MMA_HEAD_DIMS)
 @pytest.mark.parametrize("g", [1, 4, 8, 16])
 def test_paged_attention_mixed_lengths(device, preset, D, g):
@@ -151,11 +155,12 @@ def test_paged_attention_dtypes(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_continuous_batching_page_reuse_no_leak(device):
+@pytest.mark.parametrize("preset", ["kivi-2", "hqmq-3.79-paper"])
+def test_continuous_batching_page_reuse_no_leak(device, preset):
     """Sequences freed mid-stream return their pages; pages filled with NaN before reuse never
     reach a later sequence's output."""
     H, D = 2, 64
-    cache = kvq.PagedKVCache("kivi-2", num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=1024,
+    cache = kvq.PagedKVCache(preset, num_layers=2, num_kv_heads=H, head_dim=D, max_tokens=1024,
                              device=device, page_size=128, max_seqs=4)
     a, b = cache.add_sequence(), cache.add_sequence()
     for sid, L in ((a, 600), (b, 300)):
@@ -169,9 +174,9 @@ def test_continuous_batching_page_reuse_no_leak(device):
     for layer in cache.layers:  # poison every free page
         for t in (layer.k_fp, layer.v_fp):
             t[layer.free_fp] = float("nan")
-        for codes, scale, zero in layer.comp.values():
-            scale[layer.free_comp] = float("nan")
-            zero[layer.free_comp] = float("nan")
+        for codes, *scales in layer.comp.values():  # (scale, zero) or HQMQ's radius scale
+            for t in scales:
+                t[layer.free_comp] = float("nan")
     c = cache.add_sequence()
     for layer in range(2):
         cache.append(layer, [c], make_kv(1, H, 700, D, torch.float16, device),
@@ -350,7 +355,7 @@ def test_op_bad_block_table_is_refused_on_cpu():
 
 # ----------------------------------------------------------------------------- CUDA graphs
 @requires_cuda
-@pytest.mark.parametrize("preset", ["kivi-2", "fp16"])
+@pytest.mark.parametrize("preset", ["kivi-2", "fp16", "hqmq-3.79-paper"])
 def test_cuda_graph_replay_across_lengths(preset):
     """plan + attention captured once; replays after appends (new lengths, new pages) equal eager calls."""
     H, D = 2, 128
@@ -372,6 +377,9 @@ def test_cuda_graph_replay_across_lengths(preset):
 
     def run():
         work = kvq.ops.paged_decode_plan(lens, comp, mi)
+        if cache.hqmq is not None:
+            return kvq.ops.paged_decode_attention_hqmq(q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp,
+                                                       work, cache.hqmq.radius_bits, D ** -0.5)[0]
         return kvq.ops.paged_decode_attention(q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp, work,
                                               2, True, False, D ** -0.5)[0]
 
@@ -456,3 +464,59 @@ def test_recent_window_keeps_the_newest_tokens_exact(device, preset):
     check_attention(cache, ids, D, 4 * H, torch.float16, device, 5e-3 if device == "cuda" else 1e-3)
     with pytest.raises(ValueError, match="recent_window"):
         kvq.PagedKVCache(preset, num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=256, recent_window=100)
+
+
+# ----------------------------------------------------------------------------- HQMQ pages
+@pytest.mark.parametrize("preset", HQMQ_PRESETS)
+@pytest.mark.parametrize("D", [32, 64, 128, 256])
+@pytest.mark.parametrize("L", [1, 127, 128, 129, 1000])
+def test_hqmq_pages_hold_the_contiguous_encoding(preset, D, L):
+    """HQMQ encodes every token on its own: a compressed page decodes bit for bit to what the
+    contiguous cache (same secondary sets) stores for those tokens, the newer tokens are exact,
+    and nbytes counts the pages' codes and scales, the full-precision tokens and the sets."""
+    cache, ids, data = build(preset, [L], 2, D, torch.float16, "cpu", chunks=(50,))
+    k, v = data[ids[0]]
+    tc = cache._comp_pages_at(L) * 128
+    K, V = cache.dequantize(0, ids[0])
+    ref = kvq.KVCache(dataclasses.replace(kvq.get_config(preset), recent_window=0))
+    ref.update(k, v, 0)
+    rK, rV = ref.dequantize(0)
+    assert torch.equal(K[:, :, :tc], rK[:, :, :tc]) and torch.equal(V[:, :, :tc], rV[:, :, :tc])
+    assert torch.equal(K[:, :, tc:], k[:, :, tc:]) and torch.equal(V[:, :, tc:], v[:, :, tc:])
+    W = kvq.ops.hqmq_words(D, 96, 4)
+    sec = 2 * 2 * 96 * 4 * 4 if tc else 0  # both roles' [H, S, 4] fp32 sets
+    assert cache.nbytes == (tc // 128) * 2 * 2 * 128 * (4 * W + 2) + (L - tc) * 2 * 2 * D * 2 + sec
+
+
+def test_hqmq_med3x_pages_are_refused():
+    with pytest.raises(NotImplementedError, match="outlier_factor"):
+        kvq.PagedKVCache("hqmq-5", num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=256)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_hqmq_paged_attention_dtypes(device, dtype):
+    cache, ids, _ = build("hqmq-3.79-paper", [300, 77, 0], 2, 128, dtype, device)
+    check_attention(cache, ids, 128, 8, dtype, device, 2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_hqmq_op_opcheck_and_bad_input():
+    cache, ids, _ = build("hqmq-3.79-paper", [300, 5], 2, 64, torch.float16, "cpu")
+    layer = cache.layers[0]
+    bt, lens, comp = cache.batch_tables(0, ids)
+    work = kvq.ops.paged_decode_plan(lens, comp, 40)
+    q = torch.randn(2, 4, 64, dtype=torch.float16)
+    pools = layer.comp_tensors()
+    args = (q, layer.k_fp, layer.v_fp, *pools, bt, lens, comp, work, 4, 0.125)
+    torch.library.opcheck(torch.ops.kvq.paged_decode_attention_hqmq.default, args)
+    op = kvq.ops.paged_decode_attention_hqmq
+    with pytest.raises(RuntimeError, match="k_codes"):  # words of another secondary size
+        op(q, layer.k_fp, layer.v_fp, pools[0][..., :-1].contiguous(), *pools[1:], bt, lens, comp, work, 4, 0.1)
+    with pytest.raises(RuntimeError, match="radius_bits"):
+        op(q, layer.k_fp, layer.v_fp, *pools, bt, lens, comp, work, 9, 0.1)
+    with pytest.raises(RuntimeError, match="v_scale"):
+        op(q, layer.k_fp, layer.v_fp, *pools[:4], pools[4][:, :1].contiguous(), pools[5], bt, lens, comp, work, 4, 0.1)
+    bad = bt.clone()
+    bad[0, 0] = pools[0].shape[0]  # not a compressed page
+    with pytest.raises(RuntimeError, match="block_table"):
+        op(q, layer.k_fp, layer.v_fp, *pools, bad, lens, comp, work, 4, 0.1)

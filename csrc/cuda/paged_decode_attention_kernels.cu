@@ -76,5 +76,15 @@ cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype
 #undef KVQ_LAUNCH
 }
 
+cudaError_t paged_decode_attention_hqmq_cuda(const PagedHqmqParams& hp, DTypeId dtype, cudaStream_t stream) {
+  const DecodeAttnParams& p = hp.base;
+  if (p.paged.block_table == nullptr || p.paged.work == nullptr) return cudaErrorInvalidValue;
+  if (p.Hq / p.H > kMaxGroup) return cudaErrorInvalidValue;
+#define KVQ_LAUNCH(D) \
+  (D == 0 ? cudaErrorInvalidValue : LaunchPagedHqmqAttention<DType, (D == 0 ? 32 : D)>(hp, stream))
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t { KVQ_SWITCH_HEAD_DIM_OR_0(p.D, KVQ_LAUNCH) });
+#undef KVQ_LAUNCH
+}
+
 }  // namespace attention
 }  // namespace kvq

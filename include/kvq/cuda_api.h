@@ -125,6 +125,8 @@ cudaError_t paged_decode_plan_cuda(const int32_t* seq_lens, const int32_t* comp_
 bool paged_decode_attention_mma_ok(const DecodeAttnParams& p, DTypeId dtype);
 /// \brief Paged decode attention (p.paged set; p.ws holds Hq * max_items * (D + 2) floats).
 cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream);
+/// \brief Paged decode attention over HQMQ pages (hp.base.ws as above).
+cudaError_t paged_decode_attention_hqmq_cuda(const PagedHqmqParams& hp, DTypeId dtype, cudaStream_t stream);
 /// \brief The token write of kvq.paged_append (PagedWriteParams): one kernel for keys and values.
 cudaError_t paged_write_rows_cuda(const PagedWriteParams& p, cudaStream_t stream);
 }  // namespace attention

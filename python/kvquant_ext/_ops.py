@@ -351,6 +351,17 @@ def paged_decode_attention(q, k_fp, v_fp, k_codes, k_scale, k_zero, v_codes, v_s
                                                         work, bits, k_per_channel, v_per_channel, scale)
 
 
+def paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes, v_scale, v_secondary,
+                                block_table, seq_lens, comp_lens, work, radius_bits: int, scale: float):
+    """:func:`paged_decode_attention` over HQMQ pages: ``k_codes`` int32 ``[pages, H, P, W]`` and
+    ``k_scale`` fp16 ``[pages, H, P]`` (:func:`hqmq_encode` of one ``[1, H, P, D]`` block per page,
+    without Med3x records), ``k_secondary`` float32 ``[H, S, 4]``; values likewise.  Returns
+    ``(out, lse)``.  Layout: docs/serving.md."""
+    return torch.ops.kvq.paged_decode_attention_hqmq.default(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes,
+                                                             v_scale, v_secondary, block_table, seq_lens,
+                                                             comp_lens, work, radius_bits, scale)
+
+
 def paged_work_size(num_seqs: int, max_items: int) -> int:
     """Length of the int32 work list of :func:`paged_decode_plan`."""
     return 4 + 3 * max_items + 2 * num_seqs
@@ -371,4 +382,10 @@ def _paged_decode_plan_fake(seq_lens, comp_lens, max_items):
 @torch.library.register_fake("kvq::paged_decode_attention")
 def _paged_decode_attention_fake(q, k_fp, v_fp, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                                  seq_lens, comp_lens, work, bits, k_per_channel, v_per_channel, scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.register_fake("kvq::paged_decode_attention_hqmq")
+def _paged_decode_attention_hqmq_fake(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes, v_scale, v_secondary,
+                                      block_table, seq_lens, comp_lens, work, radius_bits, scale):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)

@@ -1,6 +1,7 @@
 """``PagedKVCache``: a pool of pages of compressed and full-precision KV tokens shared by many
 sequences of different lengths (continuous batching), on the paged ops
-(:func:`kvquant_ext.ops.paged_append`, ``paged_decode_plan``, ``paged_decode_attention``).
+(:func:`kvquant_ext.ops.paged_append`, ``paged_decode_plan``, ``paged_decode_attention`` and, for
+HQMQ pages, ``paged_decode_attention_hqmq``).
 
 A page holds ``page_size`` (P) tokens of one layer and every KV head.  A sequence's tokens fill
 full-precision pages; a page that becomes full is compressed into a page of the compressed pool
@@ -19,7 +20,8 @@ import torch
 
 from . import _ops
 from ._build_config import DTYPES_TEXT, HEAD_DIMS, HEAD_DIMS_TEXT
-from .config import CompressionConfig, FP16Config, GroupQuantBase, QuantSpec, get_config
+from .config import CompressionConfig, FP16Config, GroupQuantBase, HQMQConfig, QuantSpec, get_config
+from .hqmq import hqmq_secondary
 from .streams import max_abs_of
 
 __all__ = ["PagedKVCache"]
@@ -49,13 +51,16 @@ class _Seq:
 
 
 class _Layer:
-    """The pools and the per-sequence page lists of one layer."""
+    """The pools and the per-sequence page lists of one layer.  Compressed pools per role:
+    group quantization (codes, scale, zero), HQMQ (codes, scale) and the role's secondary sets
+    in ``secondary``."""
 
-    def __init__(self, H, P, D, dtype, device, n_fp, n_comp, kspec, vspec):
+    def __init__(self, H, P, D, dtype, device, n_fp, n_comp, kspec, vspec, hqmq=None, layer_idx=0):
         self.k_fp = torch.zeros((n_fp, H, P, D), dtype=dtype, device=device)
         self.v_fp = torch.zeros_like(self.k_fp)
         self.free_fp = list(range(n_fp - 1, 0, -1))  # page 0: scratch
         self.comp = None
+        self.secondary = None
         self.free_comp: List[int] = []
         if kspec is not None:
             self.comp = {}
@@ -65,6 +70,16 @@ class _Layer:
                 self.comp[role] = (torch.zeros((n_comp, H, P, W), dtype=torch.int32, device=device),
                                    torch.zeros(sshape, dtype=torch.float16, device=device),
                                    torch.zeros(sshape, dtype=torch.float16, device=device))
+        elif hqmq is not None:
+            W = _ops.hqmq_words(D, hqmq.secondary_size, hqmq.radius_bits)
+            self.comp = {role: (torch.zeros((n_comp, H, P, W), dtype=torch.int32, device=device),
+                                torch.zeros((n_comp, H, P), dtype=torch.float16, device=device))
+                         for role in ("k", "v")}
+            # the sets of the contiguous cache's stream of this (layer, role): equal codes
+            self.secondary = {role: hqmq_secondary(H, hqmq.secondary_size, hqmq.seed, layer_idx=layer_idx,
+                                                   role=name, device=device)
+                              for role, name in (("k", "key"), ("v", "value"))}
+        if self.comp is not None:
             self.free_comp = list(range(n_comp - 1, 0, -1))
         self.seqs: Dict[int, _Seq] = {}
         # a digest of every append and free this layer has seen: layers with equal histories
@@ -73,8 +88,11 @@ class _Layer:
         self.history = 0
 
     def comp_tensors(self):
+        """The compressed pools of both roles, in the order of the attention op's arguments."""
         if self.comp is None:
             return (None,) * 6
+        if self.secondary is not None:
+            return (*self.comp["k"], self.secondary["k"], *self.comp["v"], self.secondary["v"])
         return (*self.comp["k"], *self.comp["v"])
 
 
@@ -83,8 +101,10 @@ class PagedKVCache:
 
     Parameters
     ----------
-    config : a :class:`~kvquant_ext.config.CompressionConfig` or preset name: ``fp16`` or a
-        group-quantization family (KIVI, KCVT, per-token INT, FlexGen).
+    config : a :class:`~kvquant_ext.config.CompressionConfig` or preset name: ``fp16``, a
+        group-quantization family (KIVI, KCVT, per-token INT, FlexGen) or HQMQ without Med3x
+        outliers (``hqmq-3.79``, ``hqmq-3.79-paper``; pages are encoded as
+        :func:`kvquant_ext.hqmq_encode` encodes them, with the contiguous cache's secondary sets).
     num_layers, num_kv_heads, head_dim : the model's cache shape.
     max_tokens : tokens of all live sequences together that the compressed pool holds
         (the full-precision pool holds each sequence's last partial page, plus staging pages
@@ -112,9 +132,14 @@ class PagedKVCache:
         if config.skip_layers:
             raise NotImplementedError(f"PagedKVCache does not support skip_layers yet (got "
                                       f"{config.skip_layers}); keep those layers in a cache of their own")
-        if not isinstance(config, (FP16Config, GroupQuantBase)):
+        if isinstance(config, HQMQConfig) and config.outlier_factor is not None:
+            raise NotImplementedError(f"PagedKVCache does not store the Med3x outliers of an HQMQConfig yet "
+                                      f"(outlier_factor={config.outlier_factor}); HQMQ without them (hqmq-3.79) "
+                                      "is supported")
+        if not isinstance(config, (FP16Config, GroupQuantBase, HQMQConfig)):
             raise NotImplementedError(f"PagedKVCache does not support {type(config).__name__} yet; supported: "
-                                      "fp16 and the group-quantization presets (KIVI, KCVT, per-token INT, FlexGen)")
+                                      "fp16, the group-quantization presets (KIVI, KCVT, per-token INT, FlexGen) "
+                                      "and HQMQ without Med3x outliers")
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("max_tokens", max_tokens),
                         ("max_seqs", max_seqs)):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -138,9 +163,12 @@ class PagedKVCache:
         self.recent_window = recent_window
         P = page_size
         self.kspec = self.vspec = None
+        self.hqmq = config if isinstance(config, HQMQConfig) else None
         if isinstance(config, GroupQuantBase):
             self.kspec = _paged_spec(config.key_spec(), P, head_dim)
             self.vspec = _paged_spec(config.value_spec(), P, head_dim)
+        self.compressed = self.kspec is not None or self.hqmq is not None
+        if self.compressed:
             n_comp = 1 + -(-max_tokens // P)
             self.staging_pages = max(8, min(64, -(-max_tokens // P)))
             n_fp = 1 + (2 + recent_window // P) * max_seqs + self.staging_pages
@@ -148,8 +176,8 @@ class PagedKVCache:
             n_comp = 0
             self.staging_pages = 0
             n_fp = 1 + -(-max_tokens // P) + max_seqs
-        self.layers = [_Layer(num_kv_heads, P, head_dim, dtype, self.device, n_fp, n_comp, self.kspec, self.vspec)
-                       for _ in range(num_layers)]
+        self.layers = [_Layer(num_kv_heads, P, head_dim, dtype, self.device, n_fp, n_comp, self.kspec, self.vspec,
+                              self.hqmq, layer_idx=i) for i in range(num_layers)]
         self._slots = None
         self._table_cache: Dict[tuple, tuple] = {}
         self._next_id = 0
@@ -222,14 +250,14 @@ class PagedKVCache:
             m = float(torch.maximum(max_abs_of(k), max_abs_of(v)))
             if not math.isfinite(m):
                 raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")
-            if self.kspec is not None and m > 65504.0:
+            if self.compressed and m > 65504.0:
                 name = "k" if float(max_abs_of(k)) > 65504.0 else "v"
                 raise ValueError(f"argument '{name}' has entries with magnitude above 65504, which the "
                                  "compressed pages' fp16 scales cannot represent (cache check_finite=True)")
         self._reserve(layer, seq_ids, T)
         P = self.page_size
         # rounds: each takes at most `step` tokens per sequence, so that its full-precision pages fit
-        step = T if self.kspec is None else max(P, P * (self.staging_pages // len(seq_ids)))
+        step = T if not self.compressed else max(P, P * (self.staging_pages // len(seq_ids)))
         for a in range(0, T, step):
             self._append_round(layer, seq_ids, k[:, :, a:a + step], v[:, :, a:a + step])
         layer.history = hash((layer.history, tuple(seq_ids), T))
@@ -241,7 +269,7 @@ class PagedKVCache:
     def _reserve(self, layer: _Layer, seq_ids, T: int) -> None:
         """Raise (changing nothing) if the pools cannot take T more tokens of each sequence."""
         P = self.page_size
-        if self.kspec is None:
+        if not self.compressed:
             need = sum(-(-(layer.seqs[s].length + T) // P) - len(layer.seqs[s].fp_pages) for s in seq_ids)
             if need > len(layer.free_fp):
                 raise RuntimeError(f"PagedKVCache is full: {need} more pages needed, {len(layer.free_fp)} free")
@@ -268,7 +296,7 @@ class PagedKVCache:
             st = layer.seqs[s]
             end = st.length + T
             nfull = self._comp_pages_at(end) - len(st.comp_pages)
-            if self.kspec is not None and nfull > 0:
+            if self.compressed and nfull > 0:
                 for j in range(nfull):
                     src.append(st.fp_pages[j])
                     dst.append(layer.free_comp.pop())
@@ -276,26 +304,40 @@ class PagedKVCache:
         kt = k.permute(0, 2, 1, 3).reshape(n * T, self.num_kv_heads, self.head_dim)
         vt = v.permute(0, 2, 1, 3).reshape(n * T, self.num_kv_heads, self.head_dim)
         slot_t = torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True)
-        comp = layer.comp_tensors()
         kw = {}
         if src:
             kw = dict(compress_src=torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
                       compress_dst=torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True))
-        bits = self.kspec.bits if self.kspec is not None else 2
-        _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t, *comp, **kw, bits=bits,
-                          k_per_channel=self.kspec.per_channel if self.kspec else True,
-                          v_per_channel=self.vspec.per_channel if self.vspec else False)
+        if self.hqmq is not None:
+            _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t)
+            if kw:
+                self._encode_pages(layer, kw["compress_src"], kw["compress_dst"])
+        else:
+            bits = self.kspec.bits if self.kspec is not None else 2
+            _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t, *layer.comp_tensors(), **kw, bits=bits,
+                              k_per_channel=self.kspec.per_channel if self.kspec else True,
+                              v_per_channel=self.vspec.per_channel if self.vspec else False)
         i = 0
         for s in seq_ids:
             st = layer.seqs[s]
             st.length += T
             nfull = self._comp_pages_at(st.length) - len(st.comp_pages)
-            if self.kspec is not None and nfull > 0:
+            if self.compressed and nfull > 0:
                 layer.free_fp.extend(reversed(st.fp_pages[:nfull]))
                 st.fp_pages = st.fp_pages[nfull:]
                 st.comp_pages.extend(dst[i:i + nfull])
                 st.row = None
                 i += nfull
+
+    def _encode_pages(self, layer: _Layer, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """HQMQ: full-precision pages ``src`` (each one ``[1, H, P, D]`` block) encoded into the
+        compressed pages ``dst`` (int64 device tensors; device launches only)."""
+        for role, fp in (("k", layer.k_fp), ("v", layer.v_fp)):
+            codes, scale = layer.comp[role]
+            c, sc, _ = _ops.hqmq_encode(fp.index_select(0, src), layer.secondary[role], self.hqmq.radius_bits,
+                                        check_finite=False)
+            codes.index_copy_(0, dst, c)
+            scale.index_copy_(0, dst, sc)
 
     # ------------------------------------------------------------------ attention
     def batch_tables(self, layer_idx: int, seq_ids: Sequence[int]):
@@ -350,14 +392,10 @@ class PagedKVCache:
         bt, lens, comp, work = self._tables(layer, seq_ids)
         if scale is None:
             scale = self.head_dim ** -0.5
-        bits = self.kspec.bits if self.kspec is not None else 2
-        kpc = self.kspec.per_channel if self.kspec else True
-        vpc = self.vspec.per_channel if self.vspec else False
         g, H, n = q.shape[1] // self.num_kv_heads, self.num_kv_heads, len(seq_ids)
 
         def run(qs):
-            return _ops.paged_decode_attention(qs, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp,
-                                               work, bits, kpc, vpc, float(scale))
+            return self.attention_op(layer_idx, qs, bt, lens, comp, work, float(scale))
 
         if g <= 8:  # one call (the tensor cores take up to 8 query heads per KV head)
             out, lse = run(q)
@@ -373,6 +411,19 @@ class PagedKVCache:
             return out
         return out, torch.cat(lses, dim=2).reshape(q.shape[:2])
 
+    def attention_op(self, layer_idx: int, q, block_table, seq_lens, comp_lens, work, scale: float):
+        """The raw attention op of this cache's page format over layer ``layer_idx``'s pools
+        (no checks beyond the op's; at most 8 query heads per KV head): ``(out, lse)``."""
+        layer = self.layers[layer_idx]
+        if self.hqmq is not None:
+            return _ops.paged_decode_attention_hqmq(q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), block_table,
+                                                    seq_lens, comp_lens, work, self.hqmq.radius_bits, scale)
+        bits = self.kspec.bits if self.kspec is not None else 2
+        kpc = self.kspec.per_channel if self.kspec else True
+        vpc = self.vspec.per_channel if self.vspec else False
+        return _ops.paged_decode_attention(q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), block_table, seq_lens,
+                                           comp_lens, work, bits, kpc, vpc, scale)
+
     # ------------------------------------------------------------------ inspection
     def dequantize(self, layer_idx: int, seq_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(K, V)`` of one sequence as the cache holds them, ``[1, H, T, D]`` each."""
@@ -384,10 +435,16 @@ class PagedKVCache:
         for role, fp in (("k", layer.k_fp), ("v", layer.v_fp)):
             parts = []
             if st.comp_pages:
-                codes, scale, zero = layer.comp[role]
-                spec = self.kspec if role == "k" else self.vspec
                 idx = torch.tensor(st.comp_pages, dtype=torch.int64, device=self.device)
-                x = _ops.dequantize(codes[idx], scale[idx], zero[idx], spec.bits, spec.per_channel, self.dtype)
+                if self.hqmq is not None:
+                    codes, scale = layer.comp[role]
+                    none = torch.empty((0, 4), dtype=torch.int32, device=self.device)
+                    x = _ops.hqmq_decode(codes[idx], scale[idx], layer.secondary[role], none, self.hqmq.radius_bits,
+                                         D, self.dtype)
+                else:
+                    codes, scale, zero = layer.comp[role]
+                    spec = self.kspec if role == "k" else self.vspec
+                    x = _ops.dequantize(codes[idx], scale[idx], zero[idx], spec.bits, spec.per_channel, self.dtype)
                 parts.append(x)  # [pages, H, P, D]
             nfp = st.length - len(st.comp_pages) * P
             if nfp > 0:
@@ -405,27 +462,35 @@ class PagedKVCache:
         fp_tok = 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
         if self.layers[0].comp is None:
             return 0, fp_tok
-        cp = sum(t[0].numel() * t.element_size() for t in self.layers[0].comp_tensors())
+        cp = sum(t[0].numel() * t.element_size() for role in ("k", "v") for t in self.layers[0].comp[role])
         return cp, fp_tok
+
+    @staticmethod
+    def _secondary_bytes(layer: _Layer) -> int:
+        return 0 if layer.secondary is None else sum(t.numel() * t.element_size() for t in layer.secondary.values())
 
     @property
     def nbytes(self) -> int:
         """Bytes stored for the live tokens of every layer: compressed pages (codes, scales, zero
-        points) and the full-precision tokens."""
+        points), the full-precision tokens and, in a layer holding HQMQ pages, its secondary sets."""
         cp, fp_tok = self._page_bytes()
         P = self.page_size
         total = 0
         for layer in self.layers:
+            pages = 0
             for st in layer.seqs.values():
+                pages += len(st.comp_pages)
                 total += len(st.comp_pages) * cp + (st.length - len(st.comp_pages) * P) * fp_tok
+            total += self._secondary_bytes(layer) if pages else 0
         return total
 
     @property
     def capacity_bytes(self) -> int:
-        """Bytes allocated for the pools of every layer."""
+        """Bytes allocated for the pools (and HQMQ secondary sets) of every layer."""
         total = 0
         for layer in self.layers:
-            for t in (layer.k_fp, layer.v_fp, *layer.comp_tensors()):
-                if t is not None:
-                    total += t.numel() * t.element_size()
+            pools = [t for role in ("k", "v") for t in (layer.comp[role] if layer.comp else ())]
+            for t in (layer.k_fp, layer.v_fp, *pools):
+                total += t.numel() * t.element_size()
+            total += self._secondary_bytes(layer)
         return total

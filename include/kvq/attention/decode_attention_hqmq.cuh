@@ -202,27 +202,36 @@ __device__ __forceinline__ float pick4(const float (&o)[4], int k) {
   return k == 0 ? o[0] : k == 1 ? o[1] : k == 2 ? o[2] : o[3];
 }
 
-/// Loader of the generic path: this lane's D / 32 elements of token t, fp32, records added.
+/// This lane's D / 32 elements of row `row` of (leading index pb, head h) of one role -- a batch
+/// row and token, or a page and in-page row -- fp32: the dense decode, no Med3x records.
 template <int D>
-__device__ __forceinline__ void hqmq_load_token(const HqmqAttnParams& p, const HqmqKV& s, int64_t b, int64_t h,
-                                                int64_t t, int lane, float (&x)[D / 32]) {
+__device__ __forceinline__ void hqmq_load_row(const HqmqKV& s, int64_t pb, int64_t h, int64_t row, int lane,
+                                              float (&x)[D / 32]) {
   constexpr int EPL = D / 32;
   constexpr int STEP = EPL >= 4 ? 4 : EPL;
-  const uint32_t* row =
-      reinterpret_cast<const uint32_t*>(s.codes) + b * s.codes_sb + h * s.codes_sh + t * s.words;
+  const uint32_t* codes =
+      reinterpret_cast<const uint32_t*>(s.codes) + pb * s.codes_sb + h * s.codes_sh + row * s.words;
   const float maxq = (float)((1 << s.radius_bits) - 1);
   const float step = hqmq::div_rn(half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.scale) +
-                                                         b * s.scale_sb + h * s.scale_sh + t)),
+                                                         pb * s.scale_sb + h * s.scale_sh + row)),
                                 maxq);
   const float* sec = s.secondary + h * s.S * 4;
 #pragma unroll
   for (int e = 0; e < EPL; e += STEP) {
     const int ch = lane * EPL + e;
     float o[4];
-    hqmq::decode_chunk(hqmq::read_field(row, ch / 4, s.field_bits), s.radius_bits, step, sec, s.S, o);
+    hqmq::decode_chunk(hqmq::read_field(codes, ch / 4, s.field_bits), s.radius_bits, step, sec, s.S, o);
 #pragma unroll
     for (int u = 0; u < STEP; ++u) x[e + u] = STEP == 4 ? o[u] : pick4(o, (ch & 3) + u);
   }
+}
+
+/// Loader of the generic path: this lane's D / 32 elements of token t, fp32, records added.
+template <int D>
+__device__ __forceinline__ void hqmq_load_token(const HqmqAttnParams& p, const HqmqKV& s, int64_t b, int64_t h,
+                                                int64_t t, int lane, float (&x)[D / 32]) {
+  constexpr int EPL = D / 32;
+  hqmq_load_row<D>(s, b, h, t, lane, x);
   int64_t ra, re;
   const int64_t n = b * p.H + h;
   hqmq_record_range(s, p.B * p.H, t / kHqmqTile, n, &ra, &re);

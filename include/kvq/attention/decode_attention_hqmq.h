@@ -77,24 +77,27 @@ KVQ_HOST_DEVICE void hqmq_record_range(const HqmqKV& s, int64_t BH, int64_t j, i
   *begin = a, *end = e;
 }
 
+/// \brief The dense decode of one token row of head h (packed codes `row`, fp16 radius scale
+/// bits) into x [D] (fp32); Med3x records are not added.
+inline void hqmq_decode_row_cpu(const HqmqKV& s, int64_t h, const uint32_t* row, uint16_t scale_bits, int64_t D,
+                                float* x) {
+  const float step = hqmq::div_rn(half_bits_to_float(scale_bits), (float)((1 << s.radius_bits) - 1));
+  const float* sec = s.secondary + h * s.S * 4;
+  for (int64_t c = 0; c < D / 4; ++c) {
+    float o[4];
+    hqmq::decode_chunk(hqmq::read_field(row, (int)c, s.field_bits), s.radius_bits, step, sec, s.S, o);
+    for (int i = 0; i < 4; ++i) x[4 * c + i] = o[i];
+  }
+}
+
 /// \brief Decode tokens [t0, t1) of row (b, h) of one role into x [t1 - t0][D] (fp32), records
 /// of the covered tiles included.  t0 is a multiple of kHqmqTile.
 inline void hqmq_decode_tokens_cpu(const HqmqAttnParams& p, const HqmqKV& s, int64_t b, int64_t h,
                                    int64_t t0, int64_t t1, float* x) {
   const int64_t D = p.D, C = D / 4, n = b * p.H + h;
-  const float maxq = (float)((1 << s.radius_bits) - 1);
-  const float* sec = s.secondary + h * s.S * 4;
   const uint32_t* codes = reinterpret_cast<const uint32_t*>(s.codes) + b * s.codes_sb + h * s.codes_sh;
   const uint16_t* scale = s.scale + b * s.scale_sb + h * s.scale_sh;
-  for (int64_t t = t0; t < t1; ++t) {
-    const float step = hqmq::div_rn(half_bits_to_float(scale[t]), maxq);
-    const uint32_t* row = codes + t * s.words;
-    for (int64_t c = 0; c < C; ++c) {
-      float o[4];
-      hqmq::decode_chunk(hqmq::read_field(row, (int)c, s.field_bits), s.radius_bits, step, sec, s.S, o);
-      for (int i = 0; i < 4; ++i) x[(t - t0) * D + 4 * c + i] = o[i];
-    }
-  }
+  for (int64_t t = t0; t < t1; ++t) hqmq_decode_row_cpu(s, h, codes + t * s.words, scale[t], D, x + (t - t0) * D);
   for (int64_t j = t0 / kHqmqTile; j * kHqmqTile < t1; ++j) {
     int64_t a, e;
     hqmq_record_range(s, p.B * p.H, j, n, &a, &e);

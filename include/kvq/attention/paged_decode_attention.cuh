@@ -12,8 +12,11 @@
 //         CTAs past the plan's item count return at once.
 // combine one CTA per (sequence, query head) merges the sequence's items (a programmatic
 //         dependent launch) and writes out (and the log-sum-exp).
+// HQMQ pages (PagedHqmqParams) have their own split kernel over the same work list and
+// workspace: every token through the CUDA-core loop, a compressed row decoded by hqmq_load_row.
 #pragma once
 #include "kvq/attention/decode_attention.cuh"
+#include "kvq/attention/decode_attention_hqmq.cuh"
 #include "kvq/attention/paged_decode_attention.h"
 
 namespace kvq {
@@ -349,22 +352,64 @@ size_t paged_decode_smem_bytes(int g) {
   return decode_attention_smem_bytes<D, BITS, KPC, MMA, false, sizeof(DType)>(g);
 }
 
-/// \brief Split kernel + combine for one instantiation.  p.paged.work holds the plan; p.ws
-/// Hq * max_items * (D + 2) floats (16-byte aligned).
-template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0, bool FPT = false>
-cudaError_t LaunchPagedDecodeAttention(const DecodeAttnParams& p, cudaStream_t stream) {
-  auto kernel = PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV, FPT>;
+/// Bytes of one warp's (m, l, acc) slot of g query heads in the HQMQ split kernel.
+KVQ_HOST_DEVICE constexpr size_t paged_hqmq_slot_bytes(int g, int D) {
+  return (sizeof(float) * (size_t)g * (D + 2) + 15) / 16 * 16;
+}
+KVQ_HOST_DEVICE constexpr size_t paged_hqmq_smem_bytes(int g, int D) {
+  return (sizeof(float) * (size_t)g * D + 15) / 16 * 16 + kWarps * paged_hqmq_slot_bytes(g, D);
+}
+
+/// \brief HQMQ split kernel: CTA (h = blockIdx.x, item = blockIdx.y) runs KV head h over the
+/// item's token range, split over its warps, through the CUDA-core loop (up to kMaxGroup query
+/// heads per KV head): compressed rows decoded by hqmq_load_row, full-precision rows loaded
+/// from the pool.  Writes the partials as PagedDecodeAttentionKernel does.
+template <typename DType, int D>
+__global__ void __launch_bounds__(kWarps * 32) PagedHqmqAttentionKernel(PagedHqmqParams hp) {
+  pdl_allow_dependents();
+  const DecodeAttnParams& p = hp.base;
+  const int32_t* work = p.paged.work;
+  const int64_t item = blockIdx.y, h = blockIdx.x;
+  if (item >= work[0]) return;  // uniform per CTA
+  extern __shared__ __align__(16) char smem[];
+  const PagedWork wl{p.paged.max_items, p.B};
+  const int64_t s = work[wl.item_seq(item)], t_begin = work[wl.item_t0(item)], t_end = work[wl.item_t1(item)];
+  const int64_t len = p.paged.seq_lens[s] > 0 ? p.paged.seq_lens[s] : 0;
+  const int64_t comp = paged_comp_len(len, p.paged.comp_lens[s]);
   const int g = (int)(p.Hq / p.H);
-  const size_t smem = paged_decode_smem_bytes<DType, D, BITS, KPC, MMA, FPT>(g);
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-  }
-  if (reinterpret_cast<uintptr_t>(p.ws) % 16 != 0) return cudaErrorMisalignedAddress;
-  if (p.paged.max_items <= 0 || p.paged.max_items > 65535) return cudaErrorInvalidValue;
-  kernel<<<dim3((unsigned)p.H, (unsigned)p.paged.max_items), kWarps * 32, smem, stream>>>(p);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
+  const size_t qbytes = (sizeof(float) * (size_t)g * D + 15) / 16 * 16, wbytes = paged_hqmq_slot_bytes(g, D);
+  float* slot = reinterpret_cast<float*>(smem + qbytes + warp * wbytes);
+  for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
+  const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
+  for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
+  __syncthreads();
+  const int64_t per = (t_end - t_begin + kWarps - 1) / kWarps;
+  const int64_t wa = t_begin + warp * per, we = wa + per < t_end ? wa + per : t_end;
+  const int32_t* bt = p.paged.block_table + s * p.paged.bt_stride;
+  const int ps = p.paged.page_shift, pm = (1 << ps) - 1;
+  if (wa < we)
+    warp_generic_loop<D, kMaxGroup, (generic_chunk<D>() + 1) / 2>(
+        nullptr, 0, p.scale, s, g, wa, we, slot, s_q, [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
+          const int64_t pg = __ldg(bt + (int)(t >> ps));
+          const int r = (int)t & pm;
+          if (t < comp) {
+            hqmq_load_row<D>(hp.k, pg, h, r, lane, kx);
+            hqmq_load_row<D>(hp.v, pg, h, r, lane, vx);
+          } else {
+            load_residual_row<DType, D>(p.k, pg, h, r, lane, kx);
+            load_residual_row<DType, D>(p.v, pg, h, r, lane, vx);
+          }
+        });
+  __syncthreads();
+  const SplitWs ws(p.ws, p.Hq, p.paged.max_items, D);
+  write_split_partial<D, kWarps>(ws, smem + qbytes, wbytes, h * g, g, p.paged.max_items, (int)item);
+}
+
+/// \brief The combine launch after a split kernel of this family.
+template <typename DType, int D>
+cudaError_t LaunchPagedCombine(const DecodeAttnParams& p, cudaStream_t stream) {
   const float* ws = p.ws;
   const int32_t* work = p.paged.work;
   void* out = p.out;
@@ -372,6 +417,39 @@ cudaError_t LaunchPagedDecodeAttention(const DecodeAttnParams& p, cudaStream_t s
   const int64_t n = p.B, Hq = p.Hq, mi = p.paged.max_items;
   return launch_programmatic_dependent(PagedDecodeCombineKernel<DType, D>, dim3((unsigned)(n * Hq)),
                                        dim3(D / 4 > 32 ? D / 4 : 32), 0, stream, ws, work, out, lse, n, Hq, mi);
+}
+
+/// \brief A split kernel of grid (H, max_items) with `smem` bytes, then the combine.
+/// p.paged.work holds the plan; p.ws Hq * max_items * (D + 2) floats (16-byte aligned).
+template <typename DType, int D, typename Kernel, typename Params>
+cudaError_t LaunchPagedSplitCombine(Kernel kernel, const Params& args, const DecodeAttnParams& p, size_t smem,
+                                    cudaStream_t stream) {
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  if (reinterpret_cast<uintptr_t>(p.ws) % 16 != 0) return cudaErrorMisalignedAddress;
+  if (p.paged.max_items <= 0 || p.paged.max_items > 65535) return cudaErrorInvalidValue;
+  kernel<<<dim3((unsigned)p.H, (unsigned)p.paged.max_items), kWarps * 32, smem, stream>>>(args);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  return LaunchPagedCombine<DType, D>(p, stream);
+}
+
+/// \brief Split kernel + combine for one instantiation of the group-quantized / fp16 family.
+template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0, bool FPT = false>
+cudaError_t LaunchPagedDecodeAttention(const DecodeAttnParams& p, cudaStream_t stream) {
+  const size_t smem = paged_decode_smem_bytes<DType, D, BITS, KPC, MMA, FPT>((int)(p.Hq / p.H));
+  return LaunchPagedSplitCombine<DType, D>(PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV, FPT>, p, p, smem,
+                                           stream);
+}
+
+/// \brief HQMQ pages: split kernel + combine.
+template <typename DType, int D>
+cudaError_t LaunchPagedHqmqAttention(const PagedHqmqParams& hp, cudaStream_t stream) {
+  const DecodeAttnParams& p = hp.base;
+  return LaunchPagedSplitCombine<DType, D>(PagedHqmqAttentionKernel<DType, D>, hp, p,
+                                           paged_hqmq_smem_bytes((int)(p.Hq / p.H), D), stream);
 }
 
 }  // namespace attention

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kvq/attention/decode_attention.h"
+#include "kvq/attention/decode_attention_hqmq.h"
 
 namespace kvq {
 namespace attention {
@@ -155,11 +156,23 @@ inline void paged_plan_host(const int32_t* seq_lens, const int32_t* comp_lens, i
   work[0] = (int32_t)n, work[1] = (int32_t)cc, work[2] = (int32_t)cf;
 }
 
-/// \brief CPU twin: attention of the g query heads of (sequence s, KV head h) in fp32, read
-/// through the block table.  `row` and `kbuf` are scratch (resized here).
-template <typename DType>
-void paged_decode_attention_cpu(const DecodeAttnParams& p, int64_t s, int64_t h, std::vector<float>& row,
-                                std::vector<float>& kbuf) {
+/// \brief Paged decode attention over HQMQ pages (kvq.paged_decode_attention_hqmq).  `base`
+/// holds q / out, the shapes, the tables and the full-precision pools (base.k / base.v
+/// .residual); k / v the HQMQ pools: codes int32 [pages, H, P, W] and radius scales fp16
+/// [pages, H, P] (kvq.hqmq_encode of one [1, H, P, D] block per page: codes_sb / scale_sb are
+/// the page strides), the secondary sets [H, S, 4].  Pages hold no Med3x records.
+struct PagedHqmqParams {
+  DecodeAttnParams base;
+  HqmqKV k, v;
+};
+
+/// \brief CPU twin, any page format: attention of the g query heads of (sequence s, KV head h)
+/// in fp32, read through the block table.  `load_comp(role, page, row, x)` decodes row `row`
+/// of compressed page `page` of role 0 (keys) or 1 (values) into x [D]; full-precision pages
+/// are p.k / p.v .residual.  `row` and `kbuf` are scratch (resized here).
+template <typename DType, typename LoadComp>
+void paged_attention_rows_cpu(const DecodeAttnParams& p, int64_t s, int64_t h, std::vector<float>& row,
+                              std::vector<float>& kbuf, LoadComp&& load_comp) {
   const PagedKV& pg = p.paged;
   const int64_t D = p.D, g = p.Hq / p.H;
   const int64_t T = pg.seq_lens[s] > 0 ? pg.seq_lens[s] : 0, Tc = paged_comp_len(T, pg.comp_lens[s]);
@@ -173,18 +186,19 @@ void paged_decode_attention_cpu(const DecodeAttnParams& p, int64_t s, int64_t h,
   float* qf = xt + D;
   float* acc = qf + g * D;
   for (int64_t i = 0; i < g * D; ++i) qf[i] = to_float(q[i]), acc[i] = 0.f;
-  auto load = [&](const QuantKV& st, int64_t t) {
+  auto load = [&](int role, int64_t t) {
     const int64_t page = bt[t / P], r = t % P;
     if (t < Tc) {
-      for (int64_t c = 0; c < D; ++c) xt[c] = dequant_at(st, page, h, r, c, D);
+      load_comp(role, page, r, xt);
     } else {
+      const QuantKV& st = role == 0 ? p.k : p.v;
       const DType* x = static_cast<const DType*>(st.residual) + page * st.res_sb + h * st.res_sh + r * D;
       for (int64_t c = 0; c < D; ++c) xt[c] = to_float(x[c]);
     }
   };
   std::vector<float> m(g, -INFINITY), l(g, 0.f);
   for (int64_t t = 0; t < T; ++t) {
-    load(p.k, t);
+    load(0, t);
     for (int64_t j = 0; j < g; ++j) {
       float sc = 0.f;
       for (int64_t c = 0; c < D; ++c) sc += qf[j * D + c] * xt[c];
@@ -193,7 +207,7 @@ void paged_decode_attention_cpu(const DecodeAttnParams& p, int64_t s, int64_t h,
     }
   }
   for (int64_t t = 0; t < T; ++t) {
-    load(p.v, t);
+    load(1, t);
     for (int64_t j = 0; j < g; ++j) {
       const float e = std::exp(row[j * T + t] - m[j]);
       l[j] += e;
@@ -204,6 +218,29 @@ void paged_decode_attention_cpu(const DecodeAttnParams& p, int64_t s, int64_t h,
     for (int64_t c = 0; c < D; ++c) out[j * D + c] = from_float<DType>(l[j] > 0.f ? acc[j * D + c] / l[j] : 0.f);
     if (pg.lse != nullptr) pg.lse[s * p.Hq + h * g + j] = l[j] > 0.f ? m[j] + std::log(l[j]) : -INFINITY;
   }
+}
+
+/// \brief CPU twin of kvq.paged_decode_attention (group-quantized pages).
+template <typename DType>
+void paged_decode_attention_cpu(const DecodeAttnParams& p, int64_t s, int64_t h, std::vector<float>& row,
+                                std::vector<float>& kbuf) {
+  paged_attention_rows_cpu<DType>(p, s, h, row, kbuf, [&](int role, int64_t page, int64_t r, float* x) {
+    const QuantKV& st = role == 0 ? p.k : p.v;
+    for (int64_t c = 0; c < p.D; ++c) x[c] = dequant_at(st, page, h, r, c, p.D);
+  });
+}
+
+/// \brief CPU twin of kvq.paged_decode_attention_hqmq (HQMQ pages: the dense decode of
+/// hqmq_decode_row_cpu, as kvq.hqmq_decode).
+template <typename DType>
+void paged_decode_attention_hqmq_cpu(const PagedHqmqParams& hp, int64_t s, int64_t h, std::vector<float>& row,
+                                     std::vector<float>& kbuf) {
+  paged_attention_rows_cpu<DType>(hp.base, s, h, row, kbuf, [&](int role, int64_t page, int64_t r, float* x) {
+    const HqmqKV& st = role == 0 ? hp.k : hp.v;
+    const uint32_t* codes =
+        reinterpret_cast<const uint32_t*>(st.codes) + page * st.codes_sb + h * st.codes_sh + r * st.words;
+    hqmq_decode_row_cpu(st, h, codes, st.scale[page * st.scale_sb + h * st.scale_sh + r], hp.base.D, x);
+  });
 }
 
 }  // namespace attention
