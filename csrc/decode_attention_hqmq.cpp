@@ -16,51 +16,37 @@ namespace kvq {
 
 static const char* kOp = "decode_attention_hqmq";
 
-static attention::HqmqKV make_hqmq_role(const char* role, const at::Tensor& q, const at::Tensor& codes,
-                                        const at::Tensor& scale, const at::Tensor& secondary,
-                                        const at::Tensor& outliers, const at::Tensor& outlier_ptr,
-                                        int64_t radius_bits, int64_t B, int64_t H, int64_t D) {
-  const std::string r(role);
-  const auto cn = r + "_codes", sn = r + "_scale", secn = r + "_secondary", on = r + "_outliers",
-             pn = r + "_outlier_ptr", rbn = r + "_radius_bits";
-  KVQ_CHECK_ARG(radius_bits >= 1 && radius_bits <= 8, kOp, rbn.c_str(), "must be in 1..8, got ", radius_bits);
-  CHECK_DTYPE(kOp, codes, cn.c_str(), at::kInt);
-  CHECK_DTYPE(kOp, scale, sn.c_str(), at::kHalf);
-  CHECK_DTYPE(kOp, secondary, secn.c_str(), at::kFloat);
-  CHECK_DTYPE(kOp, outliers, on.c_str(), at::kInt);
-  CHECK_DTYPE(kOp, outlier_ptr, pn.c_str(), at::kLong);
-  CHECK_DIM(kOp, codes, cn.c_str(), 4);
-  CHECK_DIM(kOp, scale, sn.c_str(), 3);
-  CHECK_DIM(kOp, secondary, secn.c_str(), 3);
-  CHECK_DIM(kOp, outliers, on.c_str(), 2);
-  CHECK_DIM(kOp, outlier_ptr, pn.c_str(), 1);
-  for (const at::Tensor* t : {&codes, &scale, &secondary, &outliers, &outlier_ptr}) {
-    const char* name = t == &codes ? cn.c_str() : t == &scale ? sn.c_str() : t == &secondary ? secn.c_str()
-                       : t == &outliers ? on.c_str() : pn.c_str();
-    CHECK_SAME_DEVICE(kOp, q, "q", *t, name);
+/// The checks and fields every HQMQ role shares (contiguous caches and pages): codes int32
+/// [N, H, R, W] and radius scales fp16 [N, H, R] (N rows of R tokens: batch rows of T tokens, or
+/// pages of P), secondary sets fp32 [H, S, 4], on the device of `ref`.  The secondary pointer
+/// and the records are set by the caller.
+attention::HqmqKV hqmq_role_fields(const char* op, const std::string& r, const char* rb_name, const at::Tensor& ref,
+                                   const char* ref_name, const at::Tensor& codes, const at::Tensor& scale,
+                                   const at::Tensor& secondary, int64_t radius_bits, int64_t H, int64_t D) {
+  const auto cn = r + "_codes", sn = r + "_scale", secn = r + "_secondary";
+  KVQ_CHECK_ARG(radius_bits >= 1 && radius_bits <= 8, op, rb_name, "must be in 1..8, got ", radius_bits);
+  CHECK_DTYPE(op, codes, cn.c_str(), at::kInt);
+  CHECK_DTYPE(op, scale, sn.c_str(), at::kHalf);
+  CHECK_DTYPE(op, secondary, secn.c_str(), at::kFloat);
+  CHECK_DIM(op, codes, cn.c_str(), 4);
+  CHECK_DIM(op, scale, sn.c_str(), 3);
+  CHECK_DIM(op, secondary, secn.c_str(), 3);
+  for (const at::Tensor* t : {&codes, &scale, &secondary}) {
+    const char* name = t == &codes ? cn.c_str() : t == &scale ? sn.c_str() : secn.c_str();
+    CHECK_SAME_DEVICE(op, ref, ref_name, *t, name);
   }
-  const int64_t T = codes.size(2);
-  KVQ_CHECK_ARG(codes.size(0) == B && codes.size(1) == H, kOp, cn.c_str(), "must be [B=", B, ", H=", H,
-                ", T, W], got ", codes.sizes());
+  KVQ_CHECK_ARG(codes.size(1) == H, op, cn.c_str(), "must have H=", H, " heads in dim 1, got ", codes.sizes());
   KVQ_CHECK_ARG(secondary.size(0) == H && secondary.size(2) == 4 && secondary.size(1) >= 1 &&
                     secondary.size(1) <= hqmq::kMaxSecondary,
-                kOp, secn.c_str(), "must be [H=", H, ", S, 4] with S in 1..", hqmq::kMaxSecondary, ", got ",
+                op, secn.c_str(), "must be [H=", H, ", S, 4] with S in 1..", hqmq::kMaxSecondary, ", got ",
                 secondary.sizes());
   const int64_t S = secondary.size(1);
   const int W = hqmq::hqmq_words(D, S, (int)radius_bits);
-  KVQ_CHECK_ARG(codes.size(3) == W, kOp, cn.c_str(), "must have ", W, " words per token (D=", D, ", S=", S,
+  KVQ_CHECK_ARG(codes.size(3) == W, op, cn.c_str(), "must have ", W, " words per token (D=", D, ", S=", S,
                 ", radius_bits=", radius_bits, "), got ", codes.size(3));
-  KVQ_CHECK_ARG(codes.numel() == 0 || (codes.stride(3) == 1 && codes.stride(2) == W), kOp, cn.c_str(),
-                "must be contiguous in its last two dims");
-  KVQ_CHECK_ARG(scale.size(0) == B && scale.size(1) == H && scale.size(2) == T, kOp, sn.c_str(),
-                "must be [B=", B, ", H=", H, ", T=", T, "], got ", scale.sizes());
-  KVQ_CHECK_ARG(scale.numel() == 0 || scale.stride(2) == 1, kOp, sn.c_str(), "must be contiguous in its last dim");
-  KVQ_CHECK_ARG(outliers.size(1) == 4, kOp, on.c_str(), "must be [M, 4] Med3x records, got ", outliers.sizes());
-  const int64_t M = outliers.size(0);
-  const int64_t nptr = (T + attention::kHqmqTile - 1) / attention::kHqmqTile * B * H + 1;
-  KVQ_CHECK_ARG(outlier_ptr.size(0) == nptr || (M == 0 && outlier_ptr.size(0) == 0), kOp, pn.c_str(),
-                "must hold ceil(T/32)*B*H+1=", nptr, " offsets (or be empty when there are no records), got ",
-                outlier_ptr.size(0));
+  KVQ_CHECK_ARG(scale.size(0) == codes.size(0) && scale.size(1) == H && scale.size(2) == codes.size(2), op,
+                sn.c_str(), "must be [", codes.size(0), ", H=", H, ", ", codes.size(2), "] (one entry per row of '", cn,
+                "'), got ", scale.sizes());
   attention::HqmqKV s;
   s.codes = codes.numel() ? codes.data_ptr<int32_t>() : nullptr;
   s.scale = scale.numel() ? reinterpret_cast<const uint16_t*>(scale.data_ptr()) : nullptr;
@@ -70,6 +56,35 @@ static attention::HqmqKV make_hqmq_role(const char* role, const at::Tensor& q, c
   s.radius_bits = (int)radius_bits;
   s.field_bits = hqmq::hqmq_dir_bits(S) + (int)radius_bits;
   s.words = W;
+  return s;
+}
+
+static attention::HqmqKV make_hqmq_role(const char* role, const at::Tensor& q, const at::Tensor& codes,
+                                        const at::Tensor& scale, const at::Tensor& secondary,
+                                        const at::Tensor& outliers, const at::Tensor& outlier_ptr,
+                                        int64_t radius_bits, int64_t B, int64_t H, int64_t D) {
+  const std::string r(role);
+  const auto cn = r + "_codes", sn = r + "_scale", on = r + "_outliers", pn = r + "_outlier_ptr",
+             rbn = r + "_radius_bits";
+  attention::HqmqKV s = hqmq_role_fields(kOp, r, rbn.c_str(), q, "q", codes, scale, secondary, radius_bits, H, D);
+  CHECK_DTYPE(kOp, outliers, on.c_str(), at::kInt);
+  CHECK_DTYPE(kOp, outlier_ptr, pn.c_str(), at::kLong);
+  CHECK_DIM(kOp, outliers, on.c_str(), 2);
+  CHECK_DIM(kOp, outlier_ptr, pn.c_str(), 1);
+  CHECK_SAME_DEVICE(kOp, q, "q", outliers, on.c_str());
+  CHECK_SAME_DEVICE(kOp, q, "q", outlier_ptr, pn.c_str());
+  const int64_t T = codes.size(2), W = s.words;
+  KVQ_CHECK_ARG(codes.size(0) == B && codes.size(1) == H, kOp, cn.c_str(), "must be [B=", B, ", H=", H,
+                ", T, W], got ", codes.sizes());
+  KVQ_CHECK_ARG(codes.numel() == 0 || (codes.stride(3) == 1 && codes.stride(2) == W), kOp, cn.c_str(),
+                "must be contiguous in its last two dims");
+  KVQ_CHECK_ARG(scale.numel() == 0 || scale.stride(2) == 1, kOp, sn.c_str(), "must be contiguous in its last dim");
+  KVQ_CHECK_ARG(outliers.size(1) == 4, kOp, on.c_str(), "must be [M, 4] Med3x records, got ", outliers.sizes());
+  const int64_t M = outliers.size(0);
+  const int64_t nptr = (T + attention::kHqmqTile - 1) / attention::kHqmqTile * B * H + 1;
+  KVQ_CHECK_ARG(outlier_ptr.size(0) == nptr || (M == 0 && outlier_ptr.size(0) == 0), kOp, pn.c_str(),
+                "must hold ceil(T/32)*B*H+1=", nptr, " offsets (or be empty when there are no records), got ",
+                outlier_ptr.size(0));
   s.num_outliers = M;
   return s;
 }

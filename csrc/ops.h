@@ -235,6 +235,11 @@ struct HqmqAttentionCall {
       const std::optional<at::Tensor>&mask, int64_t k_radius_bits, int64_t v_radius_bits, double scale, \
       const std::optional<at::Tensor>&k_residual, const std::optional<at::Tensor>&v_residual
 HqmqAttentionCall prepare_decode_attention_hqmq(KVQ_DECODE_ATTN_HQMQ_ARGS);
+/// One HQMQ role's shared checks and fields (csrc/decode_attention_hqmq.cpp): codes int32
+/// [N, H, R, W], scales fp16 [N, H, R], secondary fp32 [H, S, 4] on the device of `ref`.
+attention::HqmqKV hqmq_role_fields(const char* op, const std::string& role, const char* rb_name, const at::Tensor& ref,
+                                   const char* ref_name, const at::Tensor& codes, const at::Tensor& scale,
+                                   const at::Tensor& secondary, int64_t radius_bits, int64_t H, int64_t D);
 at::Tensor decode_attention_hqmq_cpu(KVQ_DECODE_ATTN_HQMQ_ARGS);
 #ifdef KVQ_WITH_CUDA
 at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS);

@@ -333,47 +333,22 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARG
 static attention::HqmqKV make_hqmq_pool_role(const std::string& r, const at::Tensor& fp, const at::Tensor& codes,
                                              const at::Tensor& scale, const at::Tensor& secondary,
                                              int64_t radius_bits) {
-  const char* op = kAttnHqmq;
-  const auto cn = r + "_codes", sn = r + "_scale", secn = r + "_secondary";
   const int64_t H = fp.size(1), P = fp.size(2), D = fp.size(3);
-  CHECK_DTYPE(op, codes, cn.c_str(), at::kInt);
-  CHECK_DTYPE(op, scale, sn.c_str(), at::kHalf);
-  CHECK_DTYPE(op, secondary, secn.c_str(), at::kFloat);
-  CHECK_DIM(op, codes, cn.c_str(), 4);
-  CHECK_DIM(op, scale, sn.c_str(), 3);
-  CHECK_DIM(op, secondary, secn.c_str(), 3);
+  attention::HqmqKV s =
+      hqmq_role_fields(kAttnHqmq, r, "radius_bits", fp, "k_fp", codes, scale, secondary, radius_bits, H, D);
   for (const at::Tensor* t : {&codes, &scale, &secondary}) {
-    const char* name = t == &codes ? cn.c_str() : t == &scale ? sn.c_str() : secn.c_str();
-    CHECK_SAME_DEVICE(op, fp, "k_fp", *t, name);
-    KVQ_CHECK_ARG(t->is_contiguous(), op, name, "must be contiguous");
+    const std::string name = r + (t == &codes ? "_codes" : t == &scale ? "_scale" : "_secondary");
+    KVQ_CHECK_ARG(t->is_contiguous(), kAttnHqmq, name.c_str(), "must be contiguous");
   }
-  KVQ_CHECK_ARG(secondary.size(0) == H && secondary.size(2) == 4 && secondary.size(1) >= 1 &&
-                    secondary.size(1) <= hqmq::kMaxSecondary,
-                op, secn.c_str(), "must be [H=", H, ", S, 4] with S in 1..", hqmq::kMaxSecondary, ", got ",
-                secondary.sizes());
-  const int64_t S = secondary.size(1);
-  const int W = hqmq::hqmq_words(D, S, (int)radius_bits);
-  KVQ_CHECK_ARG(codes.size(1) == H && codes.size(2) == P && codes.size(3) == W, op, cn.c_str(), "must be [pages, H=", H,
-                ", P=", P, ", W=", W, "] (D=", D, ", S=", S, ", radius_bits=", radius_bits, "), got ", codes.sizes());
-  KVQ_CHECK_ARG(scale.size(0) == codes.size(0) && scale.size(1) == H && scale.size(2) == P, op, sn.c_str(),
-                "must be [pages=", codes.size(0), ", H=", H, ", P=", P, "], got ", scale.sizes());
-  attention::HqmqKV s;
-  s.codes = codes.data_ptr<int32_t>();
-  s.scale = reinterpret_cast<const uint16_t*>(scale.data_ptr());
+  KVQ_CHECK_ARG(codes.size(2) == P, kAttnHqmq, (r + "_codes").c_str(), "must hold pages of P=", P,
+                " tokens, got ", codes.sizes());
   s.secondary = secondary.data_ptr<float>();
-  s.codes_sb = codes.stride(0), s.codes_sh = codes.stride(1);
-  s.scale_sb = scale.stride(0), s.scale_sh = scale.stride(1);
-  s.S = S;
-  s.radius_bits = (int)radius_bits;
-  s.field_bits = hqmq::hqmq_dir_bits(S) + (int)radius_bits;
-  s.words = W;
   return s;
 }
 
 PagedHqmqCall prepare_paged_decode_attention_hqmq(KVQ_PAGED_ATTN_HQMQ_ARGS) {
   PagedHqmqCall c;
   prepare_paged_common(kAttnHqmq, c.call, q, k_fp, v_fp, block_table, seq_lens, comp_lens, work, scale);
-  KVQ_CHECK_ARG(radius_bits >= 1 && radius_bits <= 8, kAttnHqmq, "radius_bits", "must be in 1..8, got ", radius_bits);
   c.params.base = c.call.params;
   c.params.k = make_hqmq_pool_role("k", k_fp, k_codes, k_scale, k_secondary, radius_bits);
   c.params.v = make_hqmq_pool_role("v", v_fp, v_codes, v_scale, v_secondary, radius_bits);

@@ -262,15 +262,27 @@ def test_plan_items_cover_every_token_once(device):
             assert pos == int(lens[s])
 
 
-def test_ops_opcheck():
-    cache, ids, _ = build("kivi-2", [300, 5], 2, 64, torch.float16, "cpu")
+def op_args(preset):
+    """(cache, the attention op, its arguments) over two sequences of a CPU cache."""
+    cache, ids, _ = build(preset, [300, 5], 2, 64, torch.float16, "cpu")
     layer = cache.layers[0]
     bt, lens, comp = cache.batch_tables(0, ids)
     work = kvq.ops.paged_decode_plan(lens, comp, 40)
     q = torch.randn(2, 4, 64, dtype=torch.float16)
-    args = (q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp, work, 2, True, False, 0.125)
-    torch.library.opcheck(torch.ops.kvq.paged_decode_attention.default, args)
+    if cache.hqmq is not None:
+        return cache, torch.ops.kvq.paged_decode_attention_hqmq.default, (
+            q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp, work, 4, 0.125)
+    return cache, torch.ops.kvq.paged_decode_attention.default, (
+        q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), bt, lens, comp, work, 2, True, False, 0.125)
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "hqmq-3.79-paper"])
+def test_ops_opcheck(preset):
+    cache, op, args = op_args(preset)
+    torch.library.opcheck(op, args)
+    lens, comp = args[10], args[11]  # after q, the pools and the block table, for either op
     torch.library.opcheck(torch.ops.kvq.paged_decode_plan.default, (lens, comp, 40))
+    layer = cache.layers[0]
     k = torch.randn(3, 2, 64, dtype=torch.float16)
     slots = torch.tensor([5, 6, 7], dtype=torch.int64)
     torch.library.opcheck(torch.ops.kvq.paged_append.default,
@@ -500,23 +512,19 @@ def test_hqmq_paged_attention_dtypes(device, dtype):
     check_attention(cache, ids, 128, 8, dtype, device, 2e-2 if dtype == torch.bfloat16 else 1e-5)
 
 
-def test_hqmq_op_opcheck_and_bad_input():
-    cache, ids, _ = build("hqmq-3.79-paper", [300, 5], 2, 64, torch.float16, "cpu")
-    layer = cache.layers[0]
-    bt, lens, comp = cache.batch_tables(0, ids)
-    work = kvq.ops.paged_decode_plan(lens, comp, 40)
-    q = torch.randn(2, 4, 64, dtype=torch.float16)
-    pools = layer.comp_tensors()
-    args = (q, layer.k_fp, layer.v_fp, *pools, bt, lens, comp, work, 4, 0.125)
-    torch.library.opcheck(torch.ops.kvq.paged_decode_attention_hqmq.default, args)
-    op = kvq.ops.paged_decode_attention_hqmq
+def test_hqmq_op_bad_input():
+    _, op, args = op_args("hqmq-3.79-paper")
+    q, k_fp, v_fp, kc, ks, ksec, vc, vs, vsec, bt, lens, comp, work = args[:13]
     with pytest.raises(RuntimeError, match="k_codes"):  # words of another secondary size
-        op(q, layer.k_fp, layer.v_fp, pools[0][..., :-1].contiguous(), *pools[1:], bt, lens, comp, work, 4, 0.1)
+        op(q, k_fp, v_fp, kc[..., :-1].contiguous(), ks, ksec, vc, vs, vsec, bt, lens, comp, work, 4, 0.1)
     with pytest.raises(RuntimeError, match="radius_bits"):
-        op(q, layer.k_fp, layer.v_fp, *pools, bt, lens, comp, work, 9, 0.1)
+        op(q, k_fp, v_fp, kc, ks, ksec, vc, vs, vsec, bt, lens, comp, work, 9, 0.1)
     with pytest.raises(RuntimeError, match="v_scale"):
-        op(q, layer.k_fp, layer.v_fp, *pools[:4], pools[4][:, :1].contiguous(), pools[5], bt, lens, comp, work, 4, 0.1)
+        op(q, k_fp, v_fp, kc, ks, ksec, vc, vs[:, :1].contiguous(), vsec, bt, lens, comp, work, 4, 0.1)
+    with pytest.raises(RuntimeError, match="v_codes"):  # not contiguous
+        op(q, k_fp, v_fp, kc, ks, ksec, vc.transpose(0, 1).contiguous().transpose(0, 1), vs, vsec, bt, lens, comp,
+           work, 4, 0.1)
     bad = bt.clone()
-    bad[0, 0] = pools[0].shape[0]  # not a compressed page
+    bad[0, 0] = kc.shape[0]  # not a compressed page
     with pytest.raises(RuntimeError, match="block_table"):
-        op(q, layer.k_fp, layer.v_fp, *pools, bad, lens, comp, work, 4, 0.1)
+        op(q, k_fp, v_fp, kc, ks, ksec, vc, vs, vsec, bad, lens, comp, work, 4, 0.1)

@@ -233,6 +233,48 @@ __device__ void warp_mma_fp_pages(const DecodeAttnParams& p, int64_t s, int64_t 
   __syncwarp();
 }
 
+/// The work item of a split CTA: its sequence, token range [t_begin, t_end) and the sequence's
+/// compressed tokens (paged_comp_len).
+struct PagedItem {
+  int64_t s, t_begin, t_end, comp;
+};
+__device__ __forceinline__ PagedItem paged_item(const DecodeAttnParams& p, int64_t item) {
+  const PagedWork wl{p.paged.max_items, p.B};
+  const int32_t* work = p.paged.work;
+  PagedItem it;
+  it.s = work[wl.item_seq(item)], it.t_begin = work[wl.item_t0(item)], it.t_end = work[wl.item_t1(item)];
+  const int64_t len = p.paged.seq_lens[it.s] > 0 ? p.paged.seq_lens[it.s] : 0;
+  it.comp = paged_comp_len(len, p.paged.comp_lens[it.s]);
+  return it;
+}
+
+/// \brief The CUDA-core part of a split CTA of any page format: tokens [a, t_end) of (sequence
+/// s, KV head h) split over the CTA's warps, each continuing the (m, l, acc) in its `slot`;
+/// compressed rows (t < comp) come from load_comp(page, row, lane, kx, vx), full-precision rows
+/// from the pools p.k / p.v .residual.
+template <typename DType, int D, int MAXG, int C, typename LoadComp>
+__device__ __forceinline__ void paged_generic_range(const DecodeAttnParams& p, int64_t s, int64_t h, int g, int64_t a,
+                                                    int64_t t_end, int64_t comp, float* slot, const float* s_q,
+                                                    LoadComp&& load_comp) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t per = (t_end - a + kWarps - 1) / kWarps;
+  const int64_t wa = a + warp * per, we = wa + per < t_end ? wa + per : t_end;
+  const int32_t* bt = p.paged.block_table + s * p.paged.bt_stride;
+  const int ps = p.paged.page_shift, pm = (1 << ps) - 1;
+  if (wa < we)
+    warp_generic_loop<D, MAXG, C>(nullptr, 0, p.scale, s, g, wa, we, slot, s_q,
+                                  [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
+                                    const int64_t pg = __ldg(bt + (int)(t >> ps));
+                                    const int r = (int)t & pm;
+                                    if (t < comp) {
+                                      load_comp(pg, r, lane, kx, vx);
+                                    } else {
+                                      load_residual_row<DType, D>(p.k, pg, h, r, lane, kx);
+                                      load_residual_row<DType, D>(p.v, pg, h, r, lane, vx);
+                                    }
+                                  });
+}
+
 /// \brief Split kernel: CTA (h = blockIdx.x, item = blockIdx.y).  MMA: compressed tokens on
 /// the tensor cores (decode_attention_mma_ok holds for p); otherwise every token goes through
 /// the CUDA-core loop (up to kMaxGroup query heads per KV head).  FPT (fp16 pages, no compressed
@@ -241,14 +283,11 @@ __device__ void warp_mma_fp_pages(const DecodeAttnParams& p, int64_t s, int64_t 
 template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0, bool FPT = false>
 __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1) PagedDecodeAttentionKernel(DecodeAttnParams p) {
   pdl_allow_dependents();
-  const int32_t* work = p.paged.work;
   const int64_t item = blockIdx.y, h = blockIdx.x;
-  if (item >= work[0]) return;  // uniform per CTA
+  if (item >= p.paged.work[0]) return;  // uniform per CTA
   extern __shared__ __align__(16) char smem[];
-  const PagedWork wl{p.paged.max_items, p.B};
-  const int64_t s = work[wl.item_seq(item)], t_begin = work[wl.item_t0(item)], t_end = work[wl.item_t1(item)];
-  const int64_t len = p.paged.seq_lens[s] > 0 ? p.paged.seq_lens[s] : 0;
-  const int64_t comp = paged_comp_len(len, p.paged.comp_lens[s]);
+  const PagedItem it = paged_item(p, item);
+  const int64_t s = it.s, t_begin = it.t_begin, t_end = it.t_end, comp = it.comp;
   const int g = (int)(p.Hq / p.H);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
@@ -282,24 +321,13 @@ __global__ void __launch_bounds__(kWarps * 32, D <= 128 ? KVQ_MINB : 1) PagedDec
     const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
     for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
     __syncthreads();
-    const int64_t per = (t_end - a + kWarps - 1) / kWarps;
-    const int64_t wa = a + warp * per, we = wa + per < t_end ? wa + per : t_end;
-    const int32_t* bt = p.paged.block_table + s * p.paged.bt_stride;
-    const int ps = p.paged.page_shift, pm = (1 << ps) - 1;
     constexpr int kChunk = MMA || FPT ? generic_chunk<D>() : (generic_chunk<D>() + 1) / 2;
-    if (wa < we)
-      warp_generic_loop<D, MMA || FPT ? 8 : kMaxGroup, kChunk>(
-          nullptr, 0, p.scale, s, g, wa, we, slot, s_q, [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
-            const int64_t pg = __ldg(bt + (int)(t >> ps));
-            const int r = (int)t & pm;
-            if (t < comp) {
-              load_quant_row<DType, D>(p.k, pg, h, r, lane, kx);
-              load_quant_row<DType, D>(p.v, pg, h, r, lane, vx);
-            } else {
-              load_residual_row<DType, D>(p.k, pg, h, r, lane, kx);
-              load_residual_row<DType, D>(p.v, pg, h, r, lane, vx);
-            }
-          });
+    paged_generic_range<DType, D, MMA || FPT ? 8 : kMaxGroup, kChunk>(
+        p, s, h, g, a, t_end, comp, slot, s_q,
+        [&](int64_t pg, int r, int ln, float (&kx)[D / 32], float (&vx)[D / 32]) {
+          load_quant_row<DType, D>(p.k, pg, h, r, ln, kx);
+          load_quant_row<DType, D>(p.v, pg, h, r, ln, vx);
+        });
   }
   __syncthreads();
   // partial rows (h g + j) of split `item`: the workspace is [Hq, max_items, D] + (m, l)
@@ -368,14 +396,11 @@ template <typename DType, int D>
 __global__ void __launch_bounds__(kWarps * 32) PagedHqmqAttentionKernel(PagedHqmqParams hp) {
   pdl_allow_dependents();
   const DecodeAttnParams& p = hp.base;
-  const int32_t* work = p.paged.work;
   const int64_t item = blockIdx.y, h = blockIdx.x;
-  if (item >= work[0]) return;  // uniform per CTA
+  if (item >= p.paged.work[0]) return;  // uniform per CTA
   extern __shared__ __align__(16) char smem[];
-  const PagedWork wl{p.paged.max_items, p.B};
-  const int64_t s = work[wl.item_seq(item)], t_begin = work[wl.item_t0(item)], t_end = work[wl.item_t1(item)];
-  const int64_t len = p.paged.seq_lens[s] > 0 ? p.paged.seq_lens[s] : 0;
-  const int64_t comp = paged_comp_len(len, p.paged.comp_lens[s]);
+  const PagedItem it = paged_item(p, item);
+  const int64_t s = it.s, t_begin = it.t_begin, t_end = it.t_end, comp = it.comp;
   const int g = (int)(p.Hq / p.H);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
@@ -385,23 +410,12 @@ __global__ void __launch_bounds__(kWarps * 32) PagedHqmqAttentionKernel(PagedHqm
   const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
   for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
   __syncthreads();
-  const int64_t per = (t_end - t_begin + kWarps - 1) / kWarps;
-  const int64_t wa = t_begin + warp * per, we = wa + per < t_end ? wa + per : t_end;
-  const int32_t* bt = p.paged.block_table + s * p.paged.bt_stride;
-  const int ps = p.paged.page_shift, pm = (1 << ps) - 1;
-  if (wa < we)
-    warp_generic_loop<D, kMaxGroup, (generic_chunk<D>() + 1) / 2>(
-        nullptr, 0, p.scale, s, g, wa, we, slot, s_q, [&](int64_t t, float (&kx)[D / 32], float (&vx)[D / 32]) {
-          const int64_t pg = __ldg(bt + (int)(t >> ps));
-          const int r = (int)t & pm;
-          if (t < comp) {
-            hqmq_load_row<D>(hp.k, pg, h, r, lane, kx);
-            hqmq_load_row<D>(hp.v, pg, h, r, lane, vx);
-          } else {
-            load_residual_row<DType, D>(p.k, pg, h, r, lane, kx);
-            load_residual_row<DType, D>(p.v, pg, h, r, lane, vx);
-          }
-        });
+  paged_generic_range<DType, D, kMaxGroup, (generic_chunk<D>() + 1) / 2>(
+      p, s, h, g, t_begin, t_end, comp, slot, s_q,
+      [&](int64_t pg, int r, int ln, float (&kx)[D / 32], float (&vx)[D / 32]) {
+        hqmq_load_row<D>(hp.k, pg, h, r, ln, kx);
+        hqmq_load_row<D>(hp.v, pg, h, r, ln, vx);
+      });
   __syncthreads();
   const SplitWs ws(p.ws, p.Hq, p.paged.max_items, D);
   write_split_partial<D, kWarps>(ws, smem + qbytes, wbytes, h * g, g, p.paged.max_items, (int)item);
