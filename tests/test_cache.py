@@ -402,8 +402,7 @@ def test_skip_layers_negative_entries_need_the_layer_count():
     assert kvq.HQMQConfig(skip_layers=[2, -1]).skip_layers == (2, -1)  # a list is stored as a tuple
     cfg = kvq.KIVIConfig(skip_layers=(0, -1))
     assert kvq.CompressionConfig.from_dict(cfg.to_dict()) == cfg
-    with pytest.raises(NotImplementedError, match="skip_layers"):
-        kvq.PagedKVCache(cfg, num_layers=2, num_kv_heads=2, head_dim=64, max_tokens=256)
+    # paged: tests/test_paged.py::test_skip_layers_keep_their_layers_in_full_precision
 
 
 def test_a_refused_gear_block_leaves_the_layer_as_it_was(monkeypatch):

@@ -528,3 +528,44 @@ def test_hqmq_op_bad_input():
     bad[0, 0] = kc.shape[0]  # not a compressed page
     with pytest.raises(RuntimeError, match="block_table"):
         op(q, k_fp, v_fp, kc, ks, ksec, vc, vs, vsec, bad, lens, comp, work, 4, 0.1)
+
+
+# ----------------------------------------------------------------------------- skip_layers
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("preset", ["kivi-2", "hqmq-3.79-paper"])
+def test_skip_layers_keep_their_layers_in_full_precision(device, preset):
+    """skip_layers=(0, -1): the first and last layers hold every token exactly in full-precision
+    pages, the middle one is stored as without skip_layers; nbytes is the sum; each layer attends
+    over what it stores (the layers' tables and plans are not shared across formats)."""
+    H, D, L, lens = 2, 64, 3, [300, 129]
+    cfg = dataclasses.replace(kvq.get_config(preset), skip_layers=(0, -1))
+    kw = dict(num_layers=L, num_kv_heads=H, head_dim=D, max_tokens=2048, device=device, page_size=128)
+    cache, plain = kvq.PagedKVCache(cfg, **kw), kvq.PagedKVCache(preset, **kw)
+    ids = [cache.add_sequence() for _ in lens]
+    pids = [plain.add_sequence() for _ in lens]
+    data = {}
+    for i, T in enumerate(lens):
+        k, v = make_kv(1, H, T, D, torch.float16, device), make_kv(1, H, T, D, torch.float16, device)
+        data[i] = (k, v)
+        for layer in range(L):
+            cache.append(layer, [ids[i]], k, v)
+            plain.append(layer, [pids[i]], k, v)
+    for i in range(len(lens)):
+        k, v = data[i]
+        for layer in (0, 2):
+            K, V = cache.dequantize(layer, ids[i])
+            assert torch.equal(K, k) and torch.equal(V, v)
+        K, V = cache.dequantize(1, ids[i])
+        pK, pV = plain.dequantize(1, pids[i])
+        assert torch.equal(K, pK) and torch.equal(V, pV) and not torch.equal(K, k)
+    fp_layer = sum(2 * H * T * D * 2 for T in lens)
+    assert cache.nbytes == 2 * fp_layer + plain.nbytes // L
+    assert cache.layers[0].comp is None and cache.layers[1].comp is not None
+    q = torch.randn(len(lens), 4 * H, D).to(torch.float16).to(device)
+    for layer in range(L):
+        out = cache.decode_attention(q, layer, ids)
+        for i in range(len(lens)):
+            K, V = cache.dequantize(layer, ids[i])
+            ref, _ = attention_ref(q[i].cpu(), K[0].cpu(), V[0].cpu(), D ** -0.5)
+            err = (out[i].float().cpu() - ref).norm() / ref.norm()
+            assert err < (5e-3 if device == "cuda" else 1e-3), (layer, i, float(err))

@@ -56,6 +56,9 @@ class _Layer:
     in ``secondary``."""
 
     def __init__(self, H, P, D, dtype, device, n_fp, n_comp, kspec, vspec, hqmq=None, layer_idx=0):
+        # the page format: group quantization (kspec / vspec), HQMQ (hqmq) or full precision only
+        self.kspec, self.vspec, self.hqmq = kspec, vspec, hqmq
+        self.compressed = kspec is not None or hqmq is not None
         self.k_fp = torch.zeros((n_fp, H, P, D), dtype=dtype, device=device)
         self.v_fp = torch.zeros_like(self.k_fp)
         self.free_fp = list(range(n_fp - 1, 0, -1))  # page 0: scratch
@@ -82,10 +85,10 @@ class _Layer:
         if self.comp is not None:
             self.free_comp = list(range(n_comp - 1, 0, -1))
         self.seqs: Dict[int, _Seq] = {}
-        # a digest of every append and free this layer has seen: layers with equal histories
-        # hold identical page lists (their pools and free lists evolve identically), so they
-        # share one set of device tables and one plan per step
-        self.history = 0
+        # a digest of the layer's page format and of every append and free it has seen: layers
+        # with equal histories hold identical page lists (their pools and free lists evolve
+        # identically), so they share one set of device tables and one plan per step
+        self.history = hash(("compressed", self.compressed))
 
     def comp_tensors(self):
         """The compressed pools of both roles, in the order of the attention op's arguments."""
@@ -105,6 +108,8 @@ class PagedKVCache:
         group-quantization family (KIVI, KCVT, per-token INT, FlexGen) or HQMQ without Med3x
         outliers (``hqmq-3.79``, ``hqmq-3.79-paper``; pages are encoded as
         :func:`kvquant_ext.hqmq_encode` encodes them, with the contiguous cache's secondary sets).
+        The config's ``skip_layers`` (negative entries count from the last layer) are kept in
+        full-precision pages only.
     num_layers, num_kv_heads, head_dim : the model's cache shape.
     max_tokens : tokens of all live sequences together that the compressed pool holds
         (the full-precision pool holds each sequence's last partial page, plus staging pages
@@ -129,9 +134,6 @@ class PagedKVCache:
             raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, got {type(config).__name__}")
         if recent_window is None and isinstance(page_size, int) and page_size > 0:
             recent_window = -(-config.recent_window // page_size) * page_size
-        if config.skip_layers:
-            raise NotImplementedError(f"PagedKVCache does not support skip_layers yet (got "
-                                      f"{config.skip_layers}); keep those layers in a cache of their own")
         if isinstance(config, HQMQConfig) and config.outlier_factor is not None:
             raise NotImplementedError(f"PagedKVCache does not store the Med3x outliers of an HQMQConfig yet "
                                       f"(outlier_factor={config.outlier_factor}); HQMQ without them (hqmq-3.79) "
@@ -168,16 +170,16 @@ class PagedKVCache:
             self.kspec = _paged_spec(config.key_spec(), P, head_dim)
             self.vspec = _paged_spec(config.value_spec(), P, head_dim)
         self.compressed = self.kspec is not None or self.hqmq is not None
-        if self.compressed:
-            n_comp = 1 + -(-max_tokens // P)
-            self.staging_pages = max(8, min(64, -(-max_tokens // P)))
-            n_fp = 1 + (2 + recent_window // P) * max_seqs + self.staging_pages
-        else:
-            n_comp = 0
-            self.staging_pages = 0
-            n_fp = 1 + -(-max_tokens // P) + max_seqs
-        self.layers = [_Layer(num_kv_heads, P, head_dim, dtype, self.device, n_fp, n_comp, self.kspec, self.vspec,
-                              self.hqmq, layer_idx=i) for i in range(num_layers)]
+        self.staging_pages = max(8, min(64, -(-max_tokens // P))) if self.compressed else 0
+        self.layers = []
+        for i in range(num_layers):
+            if self.compressed and not config.skips_layer(i, num_layers):
+                n_comp = 1 + -(-max_tokens // P)
+                n_fp = 1 + (2 + recent_window // P) * max_seqs + self.staging_pages
+                fmt = (self.kspec, self.vspec, self.hqmq)
+            else:  # fp16, or a layer of skip_layers: every token in full-precision pages
+                n_comp, n_fp, fmt = 0, 1 + -(-max_tokens // P) + max_seqs, (None, None, None)
+            self.layers.append(_Layer(num_kv_heads, P, head_dim, dtype, self.device, n_fp, n_comp, *fmt, layer_idx=i))
         self._slots = None
         self._table_cache: Dict[tuple, tuple] = {}
         self._next_id = 0
@@ -250,14 +252,14 @@ class PagedKVCache:
             m = float(torch.maximum(max_abs_of(k), max_abs_of(v)))
             if not math.isfinite(m):
                 raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")
-            if self.compressed and m > 65504.0:
+            if layer.compressed and m > 65504.0:
                 name = "k" if float(max_abs_of(k)) > 65504.0 else "v"
                 raise ValueError(f"argument '{name}' has entries with magnitude above 65504, which the "
                                  "compressed pages' fp16 scales cannot represent (cache check_finite=True)")
         self._reserve(layer, seq_ids, T)
         P = self.page_size
         # rounds: each takes at most `step` tokens per sequence, so that its full-precision pages fit
-        step = T if not self.compressed else max(P, P * (self.staging_pages // len(seq_ids)))
+        step = T if not layer.compressed else max(P, P * (self.staging_pages // len(seq_ids)))
         for a in range(0, T, step):
             self._append_round(layer, seq_ids, k[:, :, a:a + step], v[:, :, a:a + step])
         layer.history = hash((layer.history, tuple(seq_ids), T))
@@ -269,7 +271,7 @@ class PagedKVCache:
     def _reserve(self, layer: _Layer, seq_ids, T: int) -> None:
         """Raise (changing nothing) if the pools cannot take T more tokens of each sequence."""
         P = self.page_size
-        if not self.compressed:
+        if not layer.compressed:
             need = sum(-(-(layer.seqs[s].length + T) // P) - len(layer.seqs[s].fp_pages) for s in seq_ids)
             if need > len(layer.free_fp):
                 raise RuntimeError(f"PagedKVCache is full: {need} more pages needed, {len(layer.free_fp)} free")
@@ -296,7 +298,7 @@ class PagedKVCache:
             st = layer.seqs[s]
             end = st.length + T
             nfull = self._comp_pages_at(end) - len(st.comp_pages)
-            if self.compressed and nfull > 0:
+            if layer.compressed and nfull > 0:
                 for j in range(nfull):
                     src.append(st.fp_pages[j])
                     dst.append(layer.free_comp.pop())
@@ -308,21 +310,21 @@ class PagedKVCache:
         if src:
             kw = dict(compress_src=torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
                       compress_dst=torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True))
-        if self.hqmq is not None:
+        if layer.hqmq is not None:
             _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t)
             if kw:
                 self._encode_pages(layer, kw["compress_src"], kw["compress_dst"])
         else:
-            bits = self.kspec.bits if self.kspec is not None else 2
-            _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t, *layer.comp_tensors(), **kw, bits=bits,
-                              k_per_channel=self.kspec.per_channel if self.kspec else True,
-                              v_per_channel=self.vspec.per_channel if self.vspec else False)
+            ks, vs = layer.kspec, layer.vspec
+            _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t, *layer.comp_tensors(), **kw,
+                              bits=ks.bits if ks else 2, k_per_channel=ks.per_channel if ks else True,
+                              v_per_channel=vs.per_channel if vs else False)
         i = 0
         for s in seq_ids:
             st = layer.seqs[s]
             st.length += T
             nfull = self._comp_pages_at(st.length) - len(st.comp_pages)
-            if self.compressed and nfull > 0:
+            if layer.compressed and nfull > 0:
                 layer.free_fp.extend(reversed(st.fp_pages[:nfull]))
                 st.fp_pages = st.fp_pages[nfull:]
                 st.comp_pages.extend(dst[i:i + nfull])
@@ -334,7 +336,7 @@ class PagedKVCache:
         compressed pages ``dst`` (int64 device tensors; device launches only)."""
         for role, fp in (("k", layer.k_fp), ("v", layer.v_fp)):
             codes, scale = layer.comp[role]
-            c, sc, _ = _ops.hqmq_encode(fp.index_select(0, src), layer.secondary[role], self.hqmq.radius_bits,
+            c, sc, _ = _ops.hqmq_encode(fp.index_select(0, src), layer.secondary[role], layer.hqmq.radius_bits,
                                         check_finite=False)
             codes.index_copy_(0, dst, c)
             scale.index_copy_(0, dst, sc)
@@ -415,14 +417,13 @@ class PagedKVCache:
         """The raw attention op of this cache's page format over layer ``layer_idx``'s pools
         (no checks beyond the op's; at most 8 query heads per KV head): ``(out, lse)``."""
         layer = self.layers[layer_idx]
-        if self.hqmq is not None:
+        if layer.hqmq is not None:
             return _ops.paged_decode_attention_hqmq(q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), block_table,
-                                                    seq_lens, comp_lens, work, self.hqmq.radius_bits, scale)
-        bits = self.kspec.bits if self.kspec is not None else 2
-        kpc = self.kspec.per_channel if self.kspec else True
-        vpc = self.vspec.per_channel if self.vspec else False
+                                                    seq_lens, comp_lens, work, layer.hqmq.radius_bits, scale)
+        ks, vs = layer.kspec, layer.vspec
         return _ops.paged_decode_attention(q, layer.k_fp, layer.v_fp, *layer.comp_tensors(), block_table, seq_lens,
-                                           comp_lens, work, bits, kpc, vpc, scale)
+                                           comp_lens, work, ks.bits if ks else 2, ks.per_channel if ks else True,
+                                           vs.per_channel if vs else False, scale)
 
     # ------------------------------------------------------------------ inspection
     def dequantize(self, layer_idx: int, seq_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -436,14 +437,14 @@ class PagedKVCache:
             parts = []
             if st.comp_pages:
                 idx = torch.tensor(st.comp_pages, dtype=torch.int64, device=self.device)
-                if self.hqmq is not None:
+                if layer.hqmq is not None:
                     codes, scale = layer.comp[role]
                     none = torch.empty((0, 4), dtype=torch.int32, device=self.device)
-                    x = _ops.hqmq_decode(codes[idx], scale[idx], layer.secondary[role], none, self.hqmq.radius_bits,
+                    x = _ops.hqmq_decode(codes[idx], scale[idx], layer.secondary[role], none, layer.hqmq.radius_bits,
                                          D, self.dtype)
                 else:
                     codes, scale, zero = layer.comp[role]
-                    spec = self.kspec if role == "k" else self.vspec
+                    spec = layer.kspec if role == "k" else layer.vspec
                     x = _ops.dequantize(codes[idx], scale[idx], zero[idx], spec.bits, spec.per_channel, self.dtype)
                 parts.append(x)  # [pages, H, P, D]
             nfp = st.length - len(st.comp_pages) * P
@@ -457,12 +458,12 @@ class PagedKVCache:
             out.append(x.contiguous())
         return out[0], out[1]
 
-    def _page_bytes(self) -> Tuple[int, int]:
+    def _page_bytes(self, layer: _Layer) -> Tuple[int, int]:
         """Bytes of one compressed page (both roles) and of one full-precision token (both roles)."""
         fp_tok = 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
-        if self.layers[0].comp is None:
+        if layer.comp is None:
             return 0, fp_tok
-        cp = sum(t[0].numel() * t.element_size() for role in ("k", "v") for t in self.layers[0].comp[role])
+        cp = sum(t[0].numel() * t.element_size() for role in ("k", "v") for t in layer.comp[role])
         return cp, fp_tok
 
     @staticmethod
@@ -473,10 +474,10 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Bytes stored for the live tokens of every layer: compressed pages (codes, scales, zero
         points), the full-precision tokens and, in a layer holding HQMQ pages, its secondary sets."""
-        cp, fp_tok = self._page_bytes()
         P = self.page_size
         total = 0
         for layer in self.layers:
+            cp, fp_tok = self._page_bytes(layer)
             pages = 0
             for st in layer.seqs.values():
                 pages += len(st.comp_pages)
