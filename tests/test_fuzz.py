@@ -43,8 +43,8 @@ code, grouping or decode shows:
 * ``kvq.decode_attention`` equals fp32 softmax attention over the cache's own
   ``dequantize(layer)`` up to float rounding (a bound from the dtype's unit roundoff), for GQA
   groups 1..17, masks, 3-d and 4-d queries and a query dtype other than the cache's.
-* ``kvq.PagedKVCache`` (fp16 and the group-quantization presets): a sequence's K/V are its whole
-  pages quantized page by page plus an exact tail, ``nbytes`` counts pages and tail, decode
+* ``kvq.PagedKVCache`` (fp16, the group-quantization presets, HQMQ without Med3x): a sequence's
+  K/V are its whole pages quantized page by page (HQMQ: encoded token by token) plus an exact tail, ``nbytes`` counts pages and tail, decode
   attention and its log-sum-exp equal fp32 attention over ``dequantize``, freeing a sequence
   leaves the others intact; GEAR and HQMQ with Med3x outliers raise NotImplementedError naming
   the config.
@@ -1239,9 +1239,19 @@ def paged_expected(cache, k, v):
     window quantized page by page (kvq ops on [1, H, P, D] blocks, the page spec), the rest exact."""
     P, W = cache.page_size, cache.recent_window
     T = k.shape[2]
-    if cache.kspec is None:
+    if not cache.compressed:
         return k, v
     ncomp = max(0, T - W) // P
+    if cache.hqmq is not None:  # per-token encoding with the contiguous cache's sets of layer 0
+        cfg, H, D = cache.hqmq, k.shape[1], k.shape[3]
+        out = []
+        for x, role in ((k, "key"), (v, "value")):
+            sec = kvq.hqmq_secondary(H, cfg.secondary_size, cfg.seed, layer_idx=0, role=role)
+            codes, scale, _ = kvq.hqmq_encode(x[:, :, :ncomp * P], sec, cfg.radius_bits, check_finite=False)
+            deq = kvq.hqmq_decode(codes, scale, sec, torch.empty((0, 4), dtype=torch.int32), cfg.radius_bits, D,
+                                  x.dtype)
+            out.append(torch.cat([deq, x[:, :, ncomp * P:]], dim=2))
+        return out[0], out[1]
     out = []
     for x, spec in ((k, cache.kspec), (v, cache.vspec)):
         parts = [kvq.dequantize(*kvq.quantize(x[:, :, j * P:(j + 1) * P], spec.bits, spec.group_size,
@@ -1255,23 +1265,35 @@ def paged_nbytes(cache, lens) -> int:
     """Compressed pages (codes + fp16 scales/zeros of both roles) + full-precision tokens."""
     H, D, P = cache.num_kv_heads, cache.head_dim, cache.page_size
     item = torch.empty((), dtype=cache.dtype).element_size()
-    if cache.kspec is None:
+    if not cache.compressed:
         return sum(lens) * 2 * H * D * item
-    page = sum(H * P * D * s.bits // 8 + 2 * 2 * H * group_rows(s, P, D) for s in (cache.kspec, cache.vspec))
-    n = 0
+    if cache.hqmq is not None:  # codes + fp16 radius scale per token vector; the layer's two sets
+        cfg = cache.hqmq
+        page = 2 * H * P * (4 * kvq.ops.hqmq_words(D, cfg.secondary_size, cfg.radius_bits) + 2)
+    else:
+        page = sum(H * P * D * s.bits // 8 + 2 * 2 * H * group_rows(s, P, D) for s in (cache.kspec, cache.vspec))
+    n, pages = 0, 0
     for L in lens:
         c = max(0, L - cache.recent_window) // P
+        pages += c
         n += c * page + (L - c * P) * 2 * H * D * item
+    if cache.hqmq is not None and pages:
+        n += 2 * H * cache.hqmq.secondary_size * 4 * 4
     return n
 
 
-@pytest.mark.parametrize("preset", PAGED_PRESETS)
+# HQMQ pages without Med3x records (bit-exact against the contiguous encoding in test_paged.py)
+PAGED_HQMQ = [p for p in PRESETS if isinstance(kvq.get_config(p), kvq.HQMQConfig)
+              and kvq.get_config(p).outlier_factor is None]
+
+
+@pytest.mark.parametrize("preset", PAGED_PRESETS + PAGED_HQMQ)
 @fuzz(10)
 @given(data=st.data())
 def test_paged_cache(preset, data):
-    """PagedKVCache: stored K/V = page-wise quantization + exact tail; nbytes; decode attention
-    (and lse) = fp32 attention over dequantize; freeing one sequence leaves the others intact and
-    its pages are reused."""
+    """PagedKVCache: stored K/V = page-wise quantization (HQMQ: the per-token encoding) + exact
+    tail; nbytes; decode attention (and lse) = fp32 attention over dequantize; freeing one
+    sequence leaves the others intact and its pages are reused."""
     cfg = kvq.get_config(preset)
     dtype = data.draw(st.sampled_from(DTYPES))
     D = data.draw(st.sampled_from(valid_head_dims(cfg)))
@@ -1281,7 +1303,8 @@ def test_paged_cache(preset, data):
     nseq = data.draw(st.integers(1, 3))
     lens = [data.draw(st.one_of(st.sampled_from([0, 1, P - 1, P, P + 1]), st.integers(0, 300)))
             for _ in range(nseq)]
-    vals = data.draw(values_st())
+    # HQMQ's fp16 radius scale holds chunk norms <= 65504, i.e. up to 2 x max |x|
+    vals = data.draw(values_st(math.log10(3e4)) if preset in PAGED_HQMQ else values_st())
     cache = kvq.PagedKVCache(preset, num_layers=1, num_kv_heads=H, head_dim=D,
                              max_tokens=sum(lens) + 2 * P * (nseq + 1), dtype=dtype, page_size=P,
                              max_seqs=nseq + 1, recent_window=W)
@@ -1340,11 +1363,6 @@ def test_paged_cache(preset, data):
                    make_tensor((1, H, L, D), dtype, vals, salt=501))
         cache.append(0, [sid], *kv[sid])
         check()
-
-
-# HQMQ pages without Med3x records: tests/test_paged.py (bit-exact against the contiguous encoding)
-PAGED_HQMQ = [p for p in PRESETS if isinstance(kvq.get_config(p), kvq.HQMQConfig)
-              and kvq.get_config(p).outlier_factor is None]
 
 
 @pytest.mark.parametrize("preset", [p for p in PRESETS if p not in PAGED_PRESETS + PAGED_HQMQ])

@@ -500,6 +500,24 @@ def test_hqmq_pages_hold_the_contiguous_encoding(preset, D, L):
     assert cache.nbytes == (tc // 128) * 2 * 2 * 128 * (4 * W + 2) + (L - tc) * 2 * 2 * D * 2 + sec
 
 
+def test_hqmq_pages_refuse_chunk_norms_their_scales_cannot_hold():
+    """Every entry finite and below 65504, but a chunk norm above it: HQMQ's fp16 radius scale
+    would overflow, so the append is refused (as the contiguous cache refuses it) and changes
+    nothing."""
+    cache = kvq.PagedKVCache("hqmq-3.79-paper", num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=512)
+    sid = cache.add_sequence()
+    k = make_kv(1, 2, 200, 64, torch.float16, "cpu")
+    bad = k.clone()
+    bad[0, 1, 150, 4:8] = 40000.0  # norm 80000
+    with pytest.raises(ValueError, match="argument 'v'.*chunks with norm above 65504"):
+        cache.append(0, [sid], k, bad)
+    assert cache.seq_len(sid) == 0
+    with pytest.raises(ValueError, match="argument 'value'.*chunks with norm above 65504"):
+        kvq.KVCache("hqmq-3.79-paper").update(k, bad, 0)
+    cache.append(0, [sid], k, k)
+    assert cache.seq_len(sid) == 200
+
+
 def test_hqmq_med3x_pages_are_refused():
     with pytest.raises(NotImplementedError, match="outlier_factor"):
         kvq.PagedKVCache("hqmq-5", num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=256)

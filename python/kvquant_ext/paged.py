@@ -42,6 +42,11 @@ def _paged_spec(spec: QuantSpec, page_size: int, head_dim: int) -> QuantSpec:
     return QuantSpec(spec.bits, g, spec.per_channel)
 
 
+def _chunk_norm_max(x: torch.Tensor) -> torch.Tensor:
+    """The largest 4-element chunk norm of ``x [..., D]`` (fp32 scalar; NaN if ``x`` has one)."""
+    return torch.linalg.vector_norm(x.float().unflatten(-1, (-1, 4)), dim=-1).amax()
+
+
 @dataclass
 class _Seq:
     length: int = 0
@@ -248,14 +253,17 @@ class PagedKVCache:
         if T == 0 or not seq_ids:
             return
         if self.check_finite:
-            # compressed pages hold fp16 scales / zero points: |x| <= 65504 (one reduction, one sync)
-            m = float(torch.maximum(max_abs_of(k), max_abs_of(v)))
+            # compressed pages hold fp16 scales / zero points (group quantization: |x| <= 65504)
+            # or fp16 radius scales (HQMQ: 4-element chunk norms <= 65504); one reduction, one sync
+            mag = _chunk_norm_max if layer.hqmq is not None else max_abs_of
+            m = float(torch.maximum(mag(k), mag(v)))
             if not math.isfinite(m):
                 raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")
             if layer.compressed and m > 65504.0:
-                name = "k" if float(max_abs_of(k)) > 65504.0 else "v"
-                raise ValueError(f"argument '{name}' has entries with magnitude above 65504, which the "
-                                 "compressed pages' fp16 scales cannot represent (cache check_finite=True)")
+                name = "k" if float(mag(k)) > 65504.0 else "v"
+                what = "4-element chunks with norm" if layer.hqmq is not None else "entries with magnitude"
+                raise ValueError(f"argument '{name}' has {what} above 65504, which the compressed pages' fp16 "
+                                 "scales cannot represent (cache check_finite=True)")
         self._reserve(layer, seq_ids, T)
         P = self.page_size
         # rounds: each takes at most `step` tokens per sequence, so that its full-precision pages fit
