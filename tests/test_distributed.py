@@ -1,7 +1,12 @@
-"""Tensor parallelism (transformers' ``tp_plan="auto"``, gloo on CPU, 2 processes): each rank's
-``kvq.hf.QuantizedCache`` holds only that rank's KV heads, attends on them, and never talks to
-the other rank.  Generated tokens equal the single-process run (fp16 preset: transformers'
-DynamicCache; kivi-4: the single-process kivi-4 cache) and each rank stores half the bytes.
+"""Tensor parallelism (gloo on CPU, 2 processes): each rank's cache holds only that rank's KV
+heads, attends on them, and never talks to the other rank.
+
+* transformers' ``tp_plan="auto"`` with ``kvq.hf.QuantizedCache``: generated tokens equal the
+  single-process run (fp16 preset: transformers' DynamicCache; kivi-4: the single-process kivi-4
+  cache) and each rank stores half the bytes.
+* ``kvq.PagedKVCache`` sharded by KV heads as an engine shards it (each rank its H / 2 heads and
+  their query heads, the same block tables): each rank's outputs equal the single-process
+  cache's outputs for those heads bit for bit, and its ``nbytes`` is half.
 """
 import json
 import os
@@ -89,3 +94,59 @@ def test_tensor_parallel_generate_equals_single_process(tmp_path):
         assert r["kivi-4"]["kv_heads"] == [2, 2]  # 4 KV heads split over 2 ranks
         assert r["kivi-4"]["nbytes"] * 2 == single.nbytes
         assert r["fp16"]["nbytes"] * 2 == fp_single.nbytes
+
+
+PAGED_WORKER = textwrap.dedent(r"""
+    import json, os, sys, torch
+    import torch.distributed as dist
+    import kvquant_ext as kvq
+
+    path, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = torch.load(os.path.join(path, "paged.pt"))
+    H, Hq = data["H"], data["Hq"]
+    h0, h1 = rank * H // world, (rank + 1) * H // world  # this rank's KV heads ...
+    g = Hq // H  # ... and their query heads
+    res = {}
+    for name in ("fp16", "kivi-2"):
+        cache = kvq.PagedKVCache(name, num_layers=1, num_kv_heads=h1 - h0, head_dim=64, max_tokens=2048)
+        ids = [cache.add_sequence() for _ in data["lens"]]
+        for sid, (k, v) in zip(ids, data["kv"]):
+            cache.append(0, [sid], k[:, h0:h1], v[:, h0:h1])
+        o = cache.decode_attention(data["q"][:, h0 * g:h1 * g].contiguous(), 0, ids)
+        res[name] = {"out": o.float().tolist(), "nbytes": cache.nbytes}
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+""")
+
+
+def test_paged_cache_sharded_by_heads_equals_single_process(tmp_path):
+    H, Hq, D, lens = 4, 16, 64, [300, 57, 129]
+    gen = torch.Generator().manual_seed(3)
+    kv = [(torch.randn(1, H, L, D, generator=gen).half(), torch.randn(1, H, L, D, generator=gen).half())
+          for L in lens]
+    q = torch.randn(len(lens), Hq, D, generator=gen).half()
+    torch.save({"H": H, "Hq": Hq, "lens": lens, "kv": kv, "q": q}, tmp_path / "paged.pt")
+    ref = {}
+    for name in ("fp16", "kivi-2"):
+        cache = kvq.PagedKVCache(name, num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=2048)
+        ids = [cache.add_sequence() for _ in lens]
+        for sid, (k, v) in zip(ids, kv):
+            cache.append(0, [sid], k, v)
+        ref[name] = (cache.decode_attention(q, 0, ids).float(), cache.nbytes)
+    script = tmp_path / "paged_worker.py"
+    script.write_text(PAGED_WORKER)
+    out = tmp_path / "paged_out"
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(30500 + os.getpid() % 1000), str(script), str(tmp_path), str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for r in (0, 1):
+        res = json.loads((tmp_path / f"paged_out.{r}").read_text())
+        for name, (want, nbytes) in ref.items():
+            got = torch.tensor(res[name]["out"])
+            assert torch.equal(got, want[:, r * Hq // 2:(r + 1) * Hq // 2]), (name, r)
+            assert res[name]["nbytes"] * 2 == nbytes, (name, r)
