@@ -587,3 +587,35 @@ def test_skip_layers_keep_their_layers_in_full_precision(device, preset):
             ref, _ = attention_ref(q[i].cpu(), K[0].cpu(), V[0].cpu(), D ** -0.5)
             err = (out[i].float().cpu() - ref).norm() / ref.norm()
             assert err < (5e-3 if device == "cuda" else 1e-3), (layer, i, float(err))
+
+
+# ----------------------------------------------------------------------------- torch.compile
+@pytest.mark.parametrize("preset", ["kivi-2", "hqmq-3.79-paper", "fp16"])
+def test_decode_step_compiles_fullgraph(preset):
+    """One engine decode step -- write a token per sequence by slot (paged_append), plan, attend --
+    traces into one graph (torch.compile fullgraph, aot_eager: the ops' fake implementations and
+    mutation annotations) and gives the eager step's pools and outputs."""
+    cache, ids, _ = build(preset, [300, 57], 2, 64, torch.float16, "cpu")
+    layer = cache.layers[0]
+    bt, lens, comp = cache.batch_tables(0, ids)
+    P = cache.page_size
+    slot = torch.tensor([layer.seqs[s].fp_pages[-1] * P + layer.seqs[s].length % P for s in ids])
+    k = torch.randn(2, 2, 64).half()
+    q = torch.randn(2, 8, 64).half()
+    mi = cache.default_max_items(2)
+
+    def step(k_fp, v_fp, q, k, slot, bt, lens, comp):
+        kvq.ops.paged_append(k_fp, v_fp, k, k, slot)
+        work = kvq.ops.paged_decode_plan(lens + 1, comp, mi)
+        if cache.hqmq is not None:
+            return kvq.ops.paged_decode_attention_hqmq(q, k_fp, v_fp, *layer.comp_tensors(), bt, lens + 1, comp, work,
+                                                       cache.hqmq.radius_bits, 0.125)
+        return kvq.ops.paged_decode_attention(q, k_fp, v_fp, *layer.comp_tensors(), bt, lens + 1, comp, work, 2,
+                                              True, False, 0.125)
+
+    pools = (layer.k_fp.clone(), layer.v_fp.clone())
+    want = step(*pools, q, k, slot, bt, lens, comp)
+    got_pools = (layer.k_fp.clone(), layer.v_fp.clone())
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*got_pools, q, k, slot, bt, lens, comp)
+    assert torch.equal(got_pools[0], pools[0]) and torch.equal(got_pools[1], pools[1])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
