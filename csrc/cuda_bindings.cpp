@@ -235,13 +235,13 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_hqmq_cuda(KVQ_PAGED_AT
   PagedHqmqCall c = prepare_paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes,
                                                         v_scale, v_secondary, block_table, seq_lens, comp_lens, work,
                                                         radius_bits, scale);
-  auto& p = c.params.base;
-  c.call.ws = at::empty({p.Hq * p.paged.max_items * (p.D + 2)}, c.call.q.options().dtype(at::kFloat));
-  p.ws = c.call.ws.data_ptr<float>();
+  auto& p = c.params;
+  c.ws = at::empty({p.Hq * p.paged.max_items * (p.D + 2)}, c.q.options().dtype(at::kFloat));
+  p.ws = c.ws.data_ptr<float>();
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   KVQ_CUDA_CALL("paged_decode_attention_hqmq",
-                attention::paged_decode_attention_hqmq_cuda(c.params, dtype_id(c.call.q.scalar_type()), stream));
-  return {c.call.out, c.call.lse};
+                attention::paged_decode_attention_hqmq_cuda(c.kernel_params(), dtype_id(c.q.scalar_type()), stream));
+  return {c.out, c.lse};
 }
 
 }  // namespace kvq

@@ -273,9 +273,9 @@ struct PagedAttentionCall {
       double scale
 PagedAttentionCall prepare_paged_decode_attention(KVQ_PAGED_ATTN_ARGS);
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARGS);
-struct PagedHqmqCall {
-  PagedAttentionCall call;  // q, outputs, workspace; call.params: the shared part of `params`
-  attention::PagedHqmqParams params;
+struct PagedHqmqCall : PagedAttentionCall {
+  attention::HqmqKV k, v;  // the HQMQ pools; `params` holds q, the tables and the rest
+  attention::PagedHqmqParams kernel_params() const { return {params, k, v}; }
 };
 #define KVQ_PAGED_ATTN_HQMQ_ARGS                                                                         \
   const at::Tensor &q, const at::Tensor &k_fp, const at::Tensor &v_fp, const at::Tensor &k_codes,        \

@@ -348,10 +348,9 @@ static attention::HqmqKV make_hqmq_pool_role(const std::string& r, const at::Ten
 
 PagedHqmqCall prepare_paged_decode_attention_hqmq(KVQ_PAGED_ATTN_HQMQ_ARGS) {
   PagedHqmqCall c;
-  prepare_paged_common(kAttnHqmq, c.call, q, k_fp, v_fp, block_table, seq_lens, comp_lens, work, scale);
-  c.params.base = c.call.params;
-  c.params.k = make_hqmq_pool_role("k", k_fp, k_codes, k_scale, k_secondary, radius_bits);
-  c.params.v = make_hqmq_pool_role("v", v_fp, v_codes, v_scale, v_secondary, radius_bits);
+  prepare_paged_common(kAttnHqmq, c, q, k_fp, v_fp, block_table, seq_lens, comp_lens, work, scale);
+  c.k = make_hqmq_pool_role("k", k_fp, k_codes, k_scale, k_secondary, radius_bits);
+  c.v = make_hqmq_pool_role("v", v_fp, v_codes, v_scale, v_secondary, radius_bits);
   KVQ_CHECK_ARG(v_codes.size(0) == k_codes.size(0), kAttnHqmq, "v_codes", "must have as many pages as 'k_codes' (",
                 k_codes.size(0), "), got ", v_codes.size(0));
   return c;
@@ -361,14 +360,14 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_hqmq_cpu(KVQ_PAGED_ATT
   PagedHqmqCall c = prepare_paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes,
                                                         v_scale, v_secondary, block_table, seq_lens, comp_lens, work,
                                                         radius_bits, scale);
-  const auto& hp = c.params;
+  const attention::PagedHqmqParams hp = c.kernel_params();
   check_paged_tables_cpu(kAttnHqmq, hp.base, block_table.size(1), k_codes.size(0), k_fp.size(0));
-  const auto dt = c.call.q.scalar_type();
+  const auto dt = c.q.scalar_type();
   paged_rows_parallel(hp.base, [&](int64_t s, int64_t h, std::vector<float>& r, std::vector<float>& kbuf) {
     KVQ_DISPATCH_DTYPE(dtype_id(dt), DType,
                        [&] { attention::paged_decode_attention_hqmq_cpu<DType>(hp, s, h, r, kbuf); });
   });
-  return {c.call.out, c.call.lse};
+  return {c.out, c.lse};
 }
 
 }  // namespace kvq

@@ -52,6 +52,12 @@ def _secondary_cpu(num_heads: int, secondary_size: int, seed: int, layer_idx: in
     return (q / q.norm(dim=-1, keepdim=True)).to(torch.float32)
 
 
+def chunk_norms(x: torch.Tensor) -> torch.Tensor:
+    """Norms of the 4-element chunks of ``x [..., D]``: ``[..., D/4]`` fp32 (what HQMQ's fp16
+    radius scale must hold)."""
+    return torch.linalg.vector_norm(x.float().unflatten(-1, (-1, 4)), dim=-1)
+
+
 def med3_threshold(x: torch.Tensor, factor: float) -> torch.Tensor:
     """Med3x threshold ``[H]`` (fp32): ``factor`` x the median chunk norm of each KV head
     over all batches, tokens and chunks of ``x`` ``[B, H, T, D]`` (lower median for an even
@@ -127,7 +133,7 @@ class HQMQStream(Stream):
         is stored exactly (fp16 values), so on its entries instead: the larger of the two."""
         if x.numel() == 0:
             return super().magnitude(x)
-        norms = torch.linalg.vector_norm(x.float().unflatten(-1, (-1, 4)), dim=-1)  # [B, H, T, D/4]
+        norms = chunk_norms(x)
         if self.config.outlier_factor is None:
             return norms.amax()
         thr = self.threshold if self.threshold is not None else med3_threshold(x, self.config.outlier_factor)

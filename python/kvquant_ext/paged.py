@@ -21,7 +21,7 @@ import torch
 from . import _ops
 from ._build_config import DTYPES_TEXT, HEAD_DIMS, HEAD_DIMS_TEXT
 from .config import CompressionConfig, FP16Config, GroupQuantBase, HQMQConfig, QuantSpec, get_config
-from .hqmq import hqmq_secondary
+from .hqmq import chunk_norms, hqmq_secondary
 from .streams import max_abs_of
 
 __all__ = ["PagedKVCache"]
@@ -40,11 +40,6 @@ def _paged_spec(spec: QuantSpec, page_size: int, head_dim: int) -> QuantSpec:
         if head_dim % g:
             raise ValueError(f"argument 'head_dim' ({head_dim}) must be a multiple of the group size ({g})")
     return QuantSpec(spec.bits, g, spec.per_channel)
-
-
-def _chunk_norm_max(x: torch.Tensor) -> torch.Tensor:
-    """The largest 4-element chunk norm of ``x [..., D]`` (fp32 scalar; NaN if ``x`` has one)."""
-    return torch.linalg.vector_norm(x.float().unflatten(-1, (-1, 4)), dim=-1).amax()
 
 
 @dataclass
@@ -255,7 +250,7 @@ class PagedKVCache:
         if self.check_finite:
             # compressed pages hold fp16 scales / zero points (group quantization: |x| <= 65504)
             # or fp16 radius scales (HQMQ: 4-element chunk norms <= 65504); one reduction, one sync
-            mag = _chunk_norm_max if layer.hqmq is not None else max_abs_of
+            mag = (lambda x: chunk_norms(x).amax()) if layer.hqmq is not None else max_abs_of
             m = float(torch.maximum(mag(k), mag(v)))
             if not math.isfinite(m):
                 raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")

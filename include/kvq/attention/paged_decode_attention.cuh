@@ -384,8 +384,8 @@ size_t paged_decode_smem_bytes(int g) {
 KVQ_HOST_DEVICE constexpr size_t paged_hqmq_slot_bytes(int g, int D) {
   return (sizeof(float) * (size_t)g * (D + 2) + 15) / 16 * 16;
 }
-KVQ_HOST_DEVICE constexpr size_t paged_hqmq_smem_bytes(int g, int D) {
-  return (sizeof(float) * (size_t)g * D + 15) / 16 * 16 + kWarps * paged_hqmq_slot_bytes(g, D);
+KVQ_HOST_DEVICE size_t paged_hqmq_smem_bytes(int g, int D) {
+  return q_region_bytes(g, D) + kWarps * paged_hqmq_slot_bytes(g, D);
 }
 
 /// \brief HQMQ split kernel: CTA (h = blockIdx.x, item = blockIdx.y) runs KV head h over the
@@ -404,7 +404,7 @@ __global__ void __launch_bounds__(kWarps * 32) PagedHqmqAttentionKernel(PagedHqm
   const int g = (int)(p.Hq / p.H);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
-  const size_t qbytes = (sizeof(float) * (size_t)g * D + 15) / 16 * 16, wbytes = paged_hqmq_slot_bytes(g, D);
+  const size_t qbytes = q_region_bytes(g, D), wbytes = paged_hqmq_slot_bytes(g, D);
   float* slot = reinterpret_cast<float*>(smem + qbytes + warp * wbytes);
   for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
   const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
