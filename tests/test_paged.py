@@ -500,6 +500,54 @@ def test_hqmq_pages_hold_the_contiguous_encoding(preset, D, L):
     assert cache.nbytes == (tc // 128) * 2 * 2 * 128 * (4 * W + 2) + (L - tc) * 2 * 2 * D * 2 + sec
 
 
+HQMQ_FORMATS = {  # the kernel's launch formats: F = 16 / b_r = 4 (fast path), runtime field widths
+    "hqmq-3.79-paper": "hqmq-3.79-paper",
+    "F16-rb5": kvq.HQMQConfig(secondary_size=48, radius_bits=5),  # 11-bit directions + 5 radius bits
+    "F19-rb6": kvq.HQMQConfig(secondary_size=192, radius_bits=6),  # fields straddle words
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", list(HQMQ_FORMATS))
+@pytest.mark.parametrize("P,D", [(32, 32), (32, 64), (32, 128), (32, 256), (256, 64), (256, 128)])
+def test_hqmq_pages_tile_paths(device, fmt, P, D):
+    """Every field format and page size: whole 32-token tiles of compressed pages (a tile is a
+    page at P = 32), the partial tiles and full-precision tokens after them, GQA 4 and 8, equal the
+    attention over what the pages store."""
+    cache, ids, _ = build(HQMQ_FORMATS[fmt], [1, 40, 95, 300, 1000, 0], 2, D, torch.float16, device, P=P,
+                          chunks=(200,))
+    for g in (4, 8):
+        check_attention(cache, ids, D, 2 * g, torch.float16, device, 5e-3 if device == "cuda" else 1e-3)
+
+
+@requires_cuda
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_cuda_hqmq_pages_equal_the_contiguous_kernel(D):
+    """Sequences of whole pages: the paged op and the contiguous HQMQ kernel run the same
+    tensor-core tile loop over the same codes, so they agree to the rounding of their different
+    split boundaries."""
+    H, Hq, P = 8, 32, 128
+    cfg = dataclasses.replace(kvq.get_config("hqmq-3.79-paper"), recent_window=0)
+    lens = [4096, 1024, 2048]
+    cache = kvq.PagedKVCache(cfg, num_layers=1, num_kv_heads=H, head_dim=D, max_tokens=sum(lens) + P,
+                             device="cuda", page_size=P, max_seqs=4)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(len(lens), Hq, D, generator=gen).half().cuda()
+    ids = [cache.add_sequence() for _ in lens]
+    outs = []
+    for i, (sid, L) in enumerate(zip(ids, lens)):
+        k = make_kv(1, H, L, D, torch.float16, "cuda", gen)
+        v = make_kv(1, H, L, D, torch.float16, "cuda", gen)
+        cache.append(0, [sid], k, v)
+        ref = kvq.KVCache(cfg)  # the same secondary sets (seeded per layer and role)
+        ref.update(k, v, 0)
+        outs.append(kvq.decode_attention(q[i:i + 1], ref, 0))
+    out = cache.decode_attention(q, 0, ids)
+    for i in range(len(lens)):
+        err = (out[i].float() - outs[i][0].float()).norm() / outs[i].float().norm()
+        assert err < 2e-3, f"seq {i}: paged vs contiguous relative error {err:.2e}"
+
+
 def test_hqmq_pages_refuse_chunk_norms_their_scales_cannot_hold():
     """Every entry finite and below 65504, but a chunk norm above it: HQMQ's fp16 radius scale
     would overflow, so the append is refused (as the contiguous cache refuses it) and changes

@@ -26,14 +26,6 @@ namespace attention {
     default: KVQ_HQMQ_FMT(EXPR, 256, 1)           \
   }
 
-/// Field format of the launch: hqmq_fmt, with F = 16 / b_r = 4 on the v2 layout (3) wherever it
-/// can hold the cache (hqmq_v2_ok: D = 64 / 128; F = 16 with b_r = 4 implies 24 S <= 4096);
-/// elsewhere the general layout of hqmq_warp_mma (FMT 0 / 1 / 2) serves.
-static int hqmq_launch_fmt(const HqmqAttnParams& p) {
-  const int fmt = hqmq_fmt(p);
-  return fmt == 1 && hqmq_v2_ok(p) ? 3 : fmt;
-}
-
 /// Resident CTAs per SM of one instantiation at `smem` bytes (0 on error); cached per size.
 template <typename DType, int D, int FMT>
 static int hqmq_occupancy(size_t smem) {

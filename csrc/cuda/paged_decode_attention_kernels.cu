@@ -1,8 +1,9 @@
 // Paged KV entry points: the token write of paged_append, the plan launch, the CUDA-core
 // instantiations (every token through the generic loop: fp32 caches, full-precision-only
 // layers, layouts the tensor-core path does not read) and dispatch to the tensor-core
-// instantiations generated from paged_decode_attention_mma_kernels.cu.in.  Kernels:
-// include/kvq/attention/paged_append.cuh and paged_decode_attention.cuh.
+// instantiations generated from paged_decode_attention_mma_kernels.cu.in (HQMQ pages:
+// paged_decode_attention_hqmq_kernels.cu).  Kernels: include/kvq/attention/paged_append.cuh and
+// paged_decode_attention.cuh.
 #include "kvq/attention/paged_append.cuh"
 #include "kvq/attention/paged_decode_attention.cuh"
 #include "kvq/cuda_api.h"
@@ -72,16 +73,6 @@ cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype
   }
 #define KVQ_LAUNCH(D) \
   (D == 0 ? cudaErrorInvalidValue : LaunchPagedDecodeAttention<DType, (D == 0 ? 32 : D), 2, true, false>(p, stream))
-  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t { KVQ_SWITCH_HEAD_DIM_OR_0(p.D, KVQ_LAUNCH) });
-#undef KVQ_LAUNCH
-}
-
-cudaError_t paged_decode_attention_hqmq_cuda(const PagedHqmqParams& hp, DTypeId dtype, cudaStream_t stream) {
-  const DecodeAttnParams& p = hp.base;
-  if (p.paged.block_table == nullptr || p.paged.work == nullptr) return cudaErrorInvalidValue;
-  if (p.Hq / p.H > kMaxGroup) return cudaErrorInvalidValue;
-#define KVQ_LAUNCH(D) \
-  (D == 0 ? cudaErrorInvalidValue : LaunchPagedHqmqAttention<DType, (D == 0 ? 32 : D)>(hp, stream))
   return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t { KVQ_SWITCH_HEAD_DIM_OR_0(p.D, KVQ_LAUNCH) });
 #undef KVQ_LAUNCH
 }

@@ -197,6 +197,14 @@ inline int hqmq_fmt(const HqmqAttnParams& p) {
   return is(16, 4) ? 1 : is(19, 6) ? 2 : 0;
 }
 
+/// Field format of the launch: hqmq_fmt, with F = 16 / b_r = 4 on the v2 layout (3) wherever it
+/// can hold the cache (hqmq_v2_ok: D = 64 / 128; F = 16 with b_r = 4 implies 24 S <= 4096);
+/// elsewhere the general layout of hqmq_warp_mma (FMT 0 / 1 / 2) serves.
+inline int hqmq_launch_fmt(const HqmqAttnParams& p) {
+  const int fmt = hqmq_fmt(p);
+  return fmt == 1 && hqmq_v2_ok(p) ? 3 : fmt;
+}
+
 /// o[k] for a runtime k in 0..3 without local memory.
 __device__ __forceinline__ float pick4(const float (&o)[4], int k) {
   return k == 0 ? o[0] : k == 1 ? o[1] : k == 2 ? o[2] : o[3];
@@ -251,13 +259,40 @@ __device__ __forceinline__ void hqmq_load_token(const HqmqAttnParams& p, const H
   }
 }
 
+/// Addresses of one 32-token tile of a (row, KV head): K / V codes (32 rows of W words each,
+/// contiguous) and K / V radius scales (32 fp16, contiguous).
+struct HqmqTilePtrs {
+  const int32_t* kc;
+  const int32_t* vc;
+  const uint16_t* ks;
+  const uint16_t* vs;
+};
+
+/// Tile source of the tensor-core paths: a contiguous cache row [T, W] / [T] of (b, h); the
+/// tile at t0 is t0 rows past the row's start.  (Paged caches supply HqmqPageTiles instead.)
+struct HqmqRowTiles {
+  HqmqTilePtrs row;
+  int64_t wk, wv;
+  __device__ __forceinline__ HqmqTilePtrs at(int64_t t0) const {
+    return {row.kc + t0 * wk, row.vc + t0 * wv, row.ks + t0, row.vs + t0};
+  }
+};
+__device__ __forceinline__ HqmqRowTiles hqmq_row_tiles(const HqmqAttnParams& p, int64_t b, int64_t h) {
+  HqmqRowTiles r;
+  r.row = {p.k.codes + b * p.k.codes_sb + h * p.k.codes_sh, p.v.codes + b * p.v.codes_sb + h * p.v.codes_sh,
+           p.k.scale + b * p.k.scale_sb + h * p.k.scale_sh, p.v.scale + b * p.v.scale_sb + h * p.v.scale_sh};
+  r.wk = p.k.words, r.wv = p.v.words;
+  return r;
+}
+
 // ---------------------------------------------------------------------------
-// Tensor-core path of one warp over its tiles of [t_begin, t_end) (full tiles).
+// Tensor-core path of one warp over its tiles of [t_begin, t_end) (full tiles), the
+// tiles' addresses from `tiles` (HqmqRowTiles, HqmqPageTiles: at(t0) -> HqmqTilePtrs).
 // ---------------------------------------------------------------------------
-template <typename DType, int D, int FMT>
-__device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin, int64_t t_end,
-                              int warp, float* slot, char* ring, float* buf, const uint2* cbk, const uint2* cbv,
-                              const float* s_q) {
+template <typename DType, int D, int FMT, typename Tiles>
+__device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64_t b, int64_t h, int g,
+                              int64_t t_begin, int64_t t_end, int warp, float* slot, char* ring, float* buf,
+                              const uint2* cbk, const uint2* cbv, const float* s_q) {
   constexpr int NK = D / 16;  // k-steps of QK (4 chunks each)
   constexpr int MV = D / 16;  // m-tiles of PV (4 chunks each)
   constexpr int C = D / 4;
@@ -304,10 +339,6 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
     for (int e = 0; e < 4; ++e) acc[mv][e] = 0.f;
   float mA = -INFINITY, mB = -INFINITY, lA = 0.f, lB = 0.f;
 
-  const int32_t* kcodes = p.k.codes + b * p.k.codes_sb + h * p.k.codes_sh;
-  const int32_t* vcodes = p.v.codes + b * p.v.codes_sb + h * p.v.codes_sh;
-  const uint16_t* kscale = p.k.scale + b * p.k.scale_sb + h * p.k.scale_sh;
-  const uint16_t* vscale = p.v.scale + b * p.v.scale_sb + h * p.v.scale_sh;
   const int64_t first = t_begin + warp * kTile;
   const int ntiles =
       first < t_end ? (int)((t_end - first + NW * kTile - 1) / (NW * kTile)) : 0;
@@ -315,10 +346,11 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
     if (k < ntiles) {
       const int64_t t0 = first + (int64_t)k * NW * kTile;
       char* st = ring + (k % kHqmqStages) * TL.bytes;
-      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.kc, kcodes + t0 * WK, kTile * WK * 4, lane);
-      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.vc, vcodes + t0 * WV, kTile * WV * 4, lane);
-      warp_copy_async<kTile * 2>(st + TL.ks, kscale + t0, kTile * 2, lane);
-      warp_copy_async<kTile * 2>(st + TL.vs, vscale + t0, kTile * 2, lane);
+      const HqmqTilePtrs tp = tiles.at(t0);
+      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.kc, tp.kc, kTile * WK * 4, lane);
+      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.vc, tp.vc, kTile * WV * 4, lane);
+      warp_copy_async<kTile * 2>(st + TL.ks, tp.ks, kTile * 2, lane);
+      warp_copy_async<kTile * 2>(st + TL.vs, tp.vs, kTile * 2, lane);
     }
     cp_async_commit();
   };
@@ -527,8 +559,8 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, int64_t b, int64_t h, int
 //    HFMA2, x scale one HMUL2 per word and token, the fp16 scale pair loaded with one LDS.32):
 //    the same three fp16 roundings as the general path, no fp32 conversions per chunk, no overflow
 //    (rcode/16 x scale <= 15/16 x 65504).
-//  - tile copies with compile-time sizes and running source pointers (no 64-bit multiplies,
-//    no predicates except the scales).
+//  - tile copies with compile-time sizes (no predicates except the scales), the tile's
+//    addresses from the tile source (contiguous rows or pages).
 // ---------------------------------------------------------------------------
 /// a * (b.lo, b.lo) and a * (b.hi, b.hi) (fp16x2; ptxas folds the duplication into HMUL2's
 /// operand swizzle).
@@ -568,9 +600,10 @@ __device__ __forceinline__ void lds_n(const char* src, uint32_t (&w)[N]) {
   }
 }
 
-template <typename DType, int D>
-__device__ void hqmq_warp_mma16(const HqmqAttnParams& p, int64_t b, int64_t h, int g, int64_t t_begin, int64_t t_end,
-                                int warp, float* slot, char* ring, float* buf, const char* cb, const float* s_q) {
+template <typename DType, int D, typename Tiles>
+__device__ void hqmq_warp_mma16(const HqmqAttnParams& p, const Tiles& tiles, int64_t b, int64_t h, int g,
+                                int64_t t_begin, int64_t t_end, int warp, float* slot, char* ring, float* buf,
+                                const char* cb, const float* s_q) {
   using L = Hq16<D>;
   constexpr int NK = L::NK, MV = D / 16, VP = L::VP, C = D / 4;
   constexpr int NW = hqmq_warps(D);
@@ -610,27 +643,22 @@ __device__ void hqmq_warp_mma16(const HqmqAttnParams& p, int64_t b, int64_t h, i
 
   const int64_t first = t_begin + warp * kTile;
   const int ntiles = first < t_end ? (int)((t_end - first + NW * kTile - 1) / (NW * kTile)) : 0;
-  // running source pointers of the next tile to issue (this lane's first 16-byte piece)
-  const char* kc_src = reinterpret_cast<const char*>(p.k.codes + b * p.k.codes_sb + h * p.k.codes_sh + first * L::W) +
-                       16 * lane;
-  const char* vc_src = reinterpret_cast<const char*>(p.v.codes + b * p.v.codes_sb + h * p.v.codes_sh + first * L::W) +
-                       16 * lane;
-  const char* sc_src = lane < 4 ? reinterpret_cast<const char*>(p.k.scale + b * p.k.scale_sb + h * p.k.scale_sh + first) +
-                                      16 * lane
-                                : reinterpret_cast<const char*>(p.v.scale + b * p.v.scale_sb + h * p.v.scale_sh + first) +
-                                      16 * (lane & 3);
-  constexpr int64_t CODE_STEP = (int64_t)NW * kTile * L::W * 4, SCALE_STEP = (int64_t)NW * kTile * 2;
   const int vdst = (lane / L::CPR) * L::VROW + (lane % L::CPR) * 16;  // this lane's V piece in a stage
   auto issue = [&](int k) {
     if (k < ntiles) {
       char* st = ring + (k & 1) * L::STAGE;
+      const HqmqTilePtrs tp = tiles.at(first + (int64_t)k * NW * kTile);
+      // this lane's first 16-byte piece of each code tile; lanes 0..3 copy the K scales, 4..7 the V
+      const char* kc_src = reinterpret_cast<const char*>(tp.kc) + 16 * lane;
+      const char* vc_src = reinterpret_cast<const char*>(tp.vc) + 16 * lane;
+      const char* sc_src = lane < 4 ? reinterpret_cast<const char*>(tp.ks) + 16 * lane
+                                    : reinterpret_cast<const char*>(tp.vs) + 16 * (lane & 3);
 #pragma unroll
       for (int j = 0; j < L::CPR; ++j) {  // 32 rows x KROW bytes = 32 CPR pieces of 16 bytes
         cp_async16(st + L::KC + 16 * lane + 512 * j, kc_src + 512 * j);
         cp_async16(st + L::VC + vdst + (32 / L::CPR) * L::VROW * j, vc_src + 512 * j);
       }
       if (lane < 8) cp_async16(st + L::KS + 16 * lane, sc_src);
-      kc_src += CODE_STEP, vc_src += CODE_STEP, sc_src += SCALE_STEP;
     }
     cp_async_commit();
   };
@@ -822,32 +850,22 @@ __device__ void hqmq_warp_mma16(const HqmqAttnParams& p, int64_t b, int64_t h, i
   __syncwarp();
 }
 
-template <typename DType, int D, int FMT>
-__global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
-    HqmqDecodeAttentionKernel(HqmqAttnParams p, SplitPlan plan, HqmqSmem sm) {
-  pdl_allow_dependents();  // the combine kernel may launch; it waits for this grid
-  extern __shared__ __align__(16) char smem[];
-  const int split = blockIdx.y;  // split_grid
-  const int64_t bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
-  const int g = (int)(p.Hq / p.H);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  uint2* cbk = reinterpret_cast<uint2*>(smem);
-  uint2* cbv = reinterpret_cast<uint2*>(smem + sm.cb_k);
-  float* s_q = reinterpret_cast<float*>(smem + sm.cb_k + sm.cb_v);
-  char* regions = smem + sm.cb_k + sm.cb_v + sm.q;
-  char* region = regions + warp * sm.region;
-  float* slot = reinterpret_cast<float*>(region);
-  {
-    const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
-    for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(q[x]);
-  }
-  const int64_t t_begin = split * plan.chunk_main;
-  const int64_t t_end = t_begin + plan.chunk_main < plan.t_main ? t_begin + plan.chunk_main : plan.t_main;
-  const bool do_mma = sm.mma && t_begin < t_end;
-  constexpr bool kV2 = FMT == 3 && (D == 64 || D == 128);
-  if (do_mma && kV2) {  // v2 codebooks (hqmq_warp_mma16): 4096 entries per role, K x 2^15, V x 16/15
+/// Launch format of an instantiation that runs the CUDA-core loop only (no tensor-core code).
+constexpr int kHqmqNoMma = -1;
+
+/// Does launch format FMT at head dim D run the v2 layout (hqmq_warp_mma16)?
+template <int D, int FMT>
+constexpr bool kHqmqV2 = FMT == 3 && (D == 64 || D == 128);
+
+/// \brief The CTA builds KV head h's codebooks in shared memory (every thread takes part; the
+/// caller synchronises before use).  v2 (kHqmqV2): 4096 entries per role at smem + role * 32 KB,
+/// K x 2^15, V x 16/15, indices past 24 S repeating entry 24 S - 1.  Otherwise entry
+/// s * 24 + u = P[u] . secondary[h, s] (fp16x4), K at smem, V at smem + sm.cb_k.
+template <int D, int FMT>
+__device__ void hqmq_build_codebooks(const HqmqKV& k, const HqmqKV& v, int64_t h, char* smem, const HqmqSmem& sm) {
+  if constexpr (kHqmqV2<D, FMT>) {  // v2 codebooks (hqmq_warp_mma16): 4096 entries per role, K x 2^15, V x 16/15
     for (int role = 0; role < 2; ++role) {
-      const HqmqKV& s = role ? p.v : p.k;
+      const HqmqKV& s = role ? v : k;
       uint2* cb = reinterpret_cast<uint2*>(smem) + role * 4096;
       const float f = role ? 16.f / 15.f : 32768.f;
       const int ne = (int)(hqmq::kHurwitzUnits * s.S);  // <= 4096 (hqmq_v2_ok)
@@ -865,10 +883,10 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
         for (int e = ne + threadIdx.x; e < 4096; e += blockDim.x) cb[e] = last;
       }
     }
-  } else if (do_mma) {  // build this head's codebooks: entry s * 24 + u = P[u] . secondary[h, s], fp16x4
+  } else {  // build this head's codebooks: entry s * 24 + u = P[u] . secondary[h, s], fp16x4
     for (int role = 0; role < 2; ++role) {
-      const HqmqKV& s = role ? p.v : p.k;
-      uint2* cb = role ? cbv : cbk;
+      const HqmqKV& s = role ? v : k;
+      uint2* cb = reinterpret_cast<uint2*>(role ? smem + sm.cb_k : smem);
       const float* sec = s.secondary + h * s.S * 4;
       for (int64_t e = threadIdx.x; e < (int64_t)hqmq::kHurwitzUnits * s.S; e += blockDim.x) {
         const int64_t si = e / hqmq::kHurwitzUnits;
@@ -881,17 +899,60 @@ __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
       }
     }
   }
-  __syncthreads();
-  if (do_mma) {
-    float* buf = reinterpret_cast<float*>(region + sm.region - sizeof(float) * kTile * 8);
-    if constexpr (kV2)
-      hqmq_warp_mma16<DType, D>(p, b, h, g, t_begin, t_end, warp, slot, region, buf, smem, s_q);
-    else
-      hqmq_warp_mma<DType, D, FMT>(p, b, h, g, t_begin, t_end, warp, slot, region, buf, cbk, cbv, s_q);
+}
+
+/// \brief The CTA's tensor-core part: when sm.mma and t_begin < t_end (uniform per CTA), the
+/// codebooks of KV head h (unless `built`: a CTA that already holds them), then each warp's tiles
+/// of [t_begin, t_end) (whole tiles, addresses from `tiles`) into its slot; otherwise every warp's
+/// slot starts empty.  s_q must be written (the barrier here publishes it).  FMT < 0 (kHqmqNoMma): no tensor-core code is instantiated and
+/// the slots start empty.
+template <typename DType, int D, int FMT, typename Tiles>
+__device__ __forceinline__ void hqmq_cta_mma(const HqmqAttnParams& p, const HqmqSmem& sm, const Tiles& tiles,
+                                             int64_t b, int64_t h, int g, int64_t t_begin, int64_t t_end,
+                                             char* smem, char* region, const float* s_q, bool built = false) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* slot = reinterpret_cast<float*>(region);
+  if constexpr (FMT >= 0) {
+    const bool do_mma = sm.mma && t_begin < t_end;
+    if (do_mma && !built) hqmq_build_codebooks<D, FMT>(p.k, p.v, h, smem, sm);
+    __syncthreads();
+    if (do_mma) {
+      float* buf = reinterpret_cast<float*>(region + sm.region - sizeof(float) * kTile * 8);
+      if constexpr (kHqmqV2<D, FMT>)
+        hqmq_warp_mma16<DType, D>(p, tiles, b, h, g, t_begin, t_end, warp, slot, region, buf, smem, s_q);
+      else
+        hqmq_warp_mma<DType, D, FMT>(p, tiles, b, h, g, t_begin, t_end, warp, slot, region, buf,
+                                     reinterpret_cast<const uint2*>(smem),
+                                     reinterpret_cast<const uint2*>(smem + sm.cb_k), s_q);
+      return;
+    }
   } else {
-    for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
-    __syncwarp();
+    __syncthreads();
   }
+  for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
+  __syncwarp();
+}
+
+template <typename DType, int D, int FMT>
+__global__ void __launch_bounds__(hqmq_warps(D) * 32, 1)
+    HqmqDecodeAttentionKernel(HqmqAttnParams p, SplitPlan plan, HqmqSmem sm) {
+  pdl_allow_dependents();  // the combine kernel may launch; it waits for this grid
+  extern __shared__ __align__(16) char smem[];
+  const int split = blockIdx.y;  // split_grid
+  const int64_t bh = blockIdx.x, b = bh / p.H, h = bh % p.H;
+  const int g = (int)(p.Hq / p.H);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* s_q = reinterpret_cast<float*>(smem + sm.cb_k + sm.cb_v);
+  char* regions = smem + sm.cb_k + sm.cb_v + sm.q;
+  char* region = regions + warp * sm.region;
+  float* slot = reinterpret_cast<float*>(region);
+  {
+    const DType* q = static_cast<const DType*>(p.q) + (b * p.Hq + h * g) * D;
+    for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(q[x]);
+  }
+  const int64_t t_begin = split * plan.chunk_main;
+  const int64_t t_end = t_begin + plan.chunk_main < plan.t_main ? t_begin + plan.chunk_main : plan.t_main;
+  hqmq_cta_mma<DType, D, FMT>(p, sm, hqmq_row_tiles(p, b, h), b, h, g, t_begin, t_end, smem, region, s_q);
   // ---- this warp's share of the tail [t_main, T): encoded tokens past the last full tile, then the
   // recent window ----
   const int64_t tail = p.T - plan.t_main;

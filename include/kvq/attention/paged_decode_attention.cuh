@@ -13,7 +13,8 @@
 // combine one CTA per (sequence, query head) merges the sequence's items (a programmatic
 //         dependent launch) and writes out (and the log-sum-exp).
 // HQMQ pages (PagedHqmqParams) have their own split kernel over the same work list and
-// workspace: every token through the CUDA-core loop, a compressed row decoded by hqmq_load_row.
+// workspace: the contiguous HQMQ kernel's tensor-core tile loop (decode_attention_hqmq.cuh) with
+// tile addresses from the block table, the rest through the CUDA-core loop.
 #pragma once
 #include "kvq/attention/decode_attention.cuh"
 #include "kvq/attention/decode_attention_hqmq.cuh"
@@ -249,15 +250,15 @@ __device__ __forceinline__ PagedItem paged_item(const DecodeAttnParams& p, int64
 }
 
 /// \brief The CUDA-core part of a split CTA of any page format: tokens [a, t_end) of (sequence
-/// s, KV head h) split over the CTA's warps, each continuing the (m, l, acc) in its `slot`;
+/// s, KV head h) split over the CTA's NW warps, each continuing the (m, l, acc) in its `slot`;
 /// compressed rows (t < comp) come from load_comp(page, row, lane, kx, vx), full-precision rows
 /// from the pools p.k / p.v .residual.
-template <typename DType, int D, int MAXG, int C, typename LoadComp>
+template <typename DType, int D, int MAXG, int C, int NW = kWarps, typename LoadComp>
 __device__ __forceinline__ void paged_generic_range(const DecodeAttnParams& p, int64_t s, int64_t h, int g, int64_t a,
                                                     int64_t t_end, int64_t comp, float* slot, const float* s_q,
                                                     LoadComp&& load_comp) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t per = (t_end - a + kWarps - 1) / kWarps;
+  const int64_t per = (t_end - a + NW - 1) / NW;
   const int64_t wa = a + warp * per, we = wa + per < t_end ? wa + per : t_end;
   const int32_t* bt = p.paged.block_table + s * p.paged.bt_stride;
   const int ps = p.paged.page_shift, pm = (1 << ps) - 1;
@@ -380,45 +381,93 @@ size_t paged_decode_smem_bytes(int g) {
   return decode_attention_smem_bytes<D, BITS, KPC, MMA, false, sizeof(DType)>(g);
 }
 
-/// Bytes of one warp's (m, l, acc) slot of g query heads in the HQMQ split kernel.
-KVQ_HOST_DEVICE constexpr size_t paged_hqmq_slot_bytes(int g, int D) {
-  return (sizeof(float) * (size_t)g * (D + 2) + 15) / 16 * 16;
-}
-KVQ_HOST_DEVICE size_t paged_hqmq_smem_bytes(int g, int D) {
-  return q_region_bytes(g, D) + kWarps * paged_hqmq_slot_bytes(g, D);
+/// \brief Tile source of the HQMQ tensor-core paths over pages: the 32-token tile at t0 (a
+/// multiple of 32; pages hold whole tiles, P >= 32) of (sequence s, KV head h) is rows
+/// t0 & (P - 1) .. + 31 of page block_table[s][t0 >> page_shift].
+struct HqmqPageTiles {
+  const int32_t* bt;   // the sequence's block-table row
+  int ps;              // page_shift
+  HqmqTilePtrs head;   // head h of page 0
+  int64_t kc_sb, vc_sb, ks_sb, vs_sb, wk, wv;  // page strides (elements), words per row
+  __device__ __forceinline__ HqmqTilePtrs at(int64_t t0) const {
+    const int64_t pg = __ldg(bt + (int)(t0 >> ps)), r = t0 & ((int64_t(1) << ps) - 1);
+    return {head.kc + pg * kc_sb + r * wk, head.vc + pg * vc_sb + r * wv, head.ks + pg * ks_sb + r,
+            head.vs + pg * vs_sb + r};
+  }
+};
+__device__ __forceinline__ HqmqPageTiles hqmq_page_tiles(const PagedHqmqParams& hp, int64_t s, int64_t h) {
+  const PagedKV& pk = hp.base.paged;
+  HqmqPageTiles t;
+  t.bt = pk.block_table + s * pk.bt_stride, t.ps = pk.page_shift;
+  t.head = {hp.k.codes + h * hp.k.codes_sh, hp.v.codes + h * hp.v.codes_sh, hp.k.scale + h * hp.k.scale_sh,
+            hp.v.scale + h * hp.v.scale_sh};
+  t.kc_sb = hp.k.codes_sb, t.vc_sb = hp.v.codes_sb, t.ks_sb = hp.k.scale_sb, t.vs_sb = hp.v.scale_sb;
+  t.wk = hp.k.words, t.wv = hp.v.words;
+  return t;
 }
 
-/// \brief HQMQ split kernel: CTA (h = blockIdx.x, item = blockIdx.y) runs KV head h over the
-/// item's token range, split over its warps, through the CUDA-core loop (up to kMaxGroup query
-/// heads per KV head): compressed rows decoded by hqmq_load_row, full-precision rows loaded
-/// from the pool.  Writes the partials as PagedDecodeAttentionKernel does.
-template <typename DType, int D>
-__global__ void __launch_bounds__(kWarps * 32) PagedHqmqAttentionKernel(PagedHqmqParams hp) {
+/// \brief The paged call as the HQMQ tensor-core code sees it: B = num_seqs rows, no mask, no
+/// Med3x records; Tc = kTile stands for "pages hold whole tiles" (P >= 32), 0 otherwise, so that
+/// hqmq_smem_plan picks the tensor-core path only where tiles never cross a page.
+KVQ_HOST_DEVICE HqmqAttnParams paged_hqmq_view(const PagedHqmqParams& hp) {
+  const DecodeAttnParams& p = hp.base;
+  HqmqAttnParams a;
+  a.q = p.q, a.out = p.out, a.k = hp.k, a.v = hp.v;
+  a.k.outliers = a.v.outliers = nullptr, a.k.outlier_ptr = a.v.outlier_ptr = nullptr;
+  a.k.num_outliers = a.v.num_outliers = 0;
+  a.B = p.B, a.H = p.H, a.Hq = p.Hq, a.D = p.D, a.scale = p.scale, a.ws = p.ws;
+  a.T = a.Tc = p.paged.page_shift >= 5 ? kTile : 0;
+  return a;
+}
+
+/// \brief HQMQ split kernel: CTA (h = blockIdx.x, blockIdx.y) of hqmq_warps(D) warps runs KV head
+/// h over the items blockIdx.y, blockIdx.y + gridDim.y, ... of the plan (a grid of about one wave:
+/// the head's codebooks are built once per CTA, at its first item with compressed tiles).  Whole
+/// 32-token tiles of compressed tokens run the contiguous HQMQ tensor-core path (hqmq_cta_mma,
+/// tile addresses from the block table) when sm.mma; the rest (full-precision tokens, a partial
+/// tile, or every token where the tensor cores cannot take the call) goes through the CUDA-core
+/// loop in passes of <= 8 query heads, compressed rows decoded by hqmq_load_row.  Shared memory:
+/// the layout of hqmq_smem_plan.  Writes each item's partials as PagedDecodeAttentionKernel does.
+template <typename DType, int D, int FMT>
+__global__ void __launch_bounds__(hqmq_warps(D) * 32, 1) PagedHqmqAttentionKernel(PagedHqmqParams hp, HqmqSmem sm) {
+  constexpr int NW = hqmq_warps(D);
   pdl_allow_dependents();
   const DecodeAttnParams& p = hp.base;
-  const int64_t item = blockIdx.y, h = blockIdx.x;
-  if (item >= p.paged.work[0]) return;  // uniform per CTA
+  const int64_t h = blockIdx.x, n_items = p.paged.work[0];
   extern __shared__ __align__(16) char smem[];
-  const PagedItem it = paged_item(p, item);
-  const int64_t s = it.s, t_begin = it.t_begin, t_end = it.t_end, comp = it.comp;
   const int g = (int)(p.Hq / p.H);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* s_q = reinterpret_cast<float*>(smem);  // [g][D]
-  const size_t qbytes = q_region_bytes(g, D), wbytes = paged_hqmq_slot_bytes(g, D);
-  float* slot = reinterpret_cast<float*>(smem + qbytes + warp * wbytes);
-  for (int x = lane; x < g * (D + 2); x += 32) slot[x] = (x % (D + 2)) == 0 ? -INFINITY : 0.f;
-  const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
-  for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
-  __syncthreads();
-  paged_generic_range<DType, D, kMaxGroup, (generic_chunk<D>() + 1) / 2>(
-      p, s, h, g, t_begin, t_end, comp, slot, s_q,
-      [&](int64_t pg, int r, int ln, float (&kx)[D / 32], float (&vx)[D / 32]) {
-        hqmq_load_row<D>(hp.k, pg, h, r, ln, kx);
-        hqmq_load_row<D>(hp.v, pg, h, r, ln, vx);
-      });
-  __syncthreads();
+  const int warp = threadIdx.x / 32;
+  float* s_q = reinterpret_cast<float*>(smem + sm.cb_k + sm.cb_v);  // [g][D]
+  char* regions = smem + sm.cb_k + sm.cb_v + sm.q;
+  char* region = regions + warp * sm.region;
+  float* slot = reinterpret_cast<float*>(region);
   const SplitWs ws(p.ws, p.Hq, p.paged.max_items, D);
-  write_split_partial<D, kWarps>(ws, smem + qbytes, wbytes, h * g, g, p.paged.max_items, (int)item);
+  bool built = false;  // this CTA holds head h's codebooks
+  for (int64_t item = blockIdx.y; item < n_items; item += gridDim.y) {  // uniform per CTA
+    const PagedItem it = paged_item(p, item);
+    const int64_t s = it.s;
+    __syncthreads();  // the previous item's q and slots are read
+    const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
+    for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
+    // whole tiles of compressed tokens (t_begin is a multiple of the chunk step, hence of 32)
+    const int64_t c_end = it.t_end < it.comp ? it.t_end : it.comp;
+    const int64_t m_end =
+        sm.mma && it.t_begin < c_end ? it.t_begin + (c_end - it.t_begin) / kTile * kTile : it.t_begin;
+    hqmq_cta_mma<DType, D, FMT>(paged_hqmq_view(hp), sm, hqmq_page_tiles(hp, s, h), s, h, g, it.t_begin, m_end,
+                                smem, region, s_q, built);
+    built = built || m_end > it.t_begin;
+    if (m_end < it.t_end) {  // uniform per CTA
+      for (int j0 = 0; j0 < g; j0 += 8)
+        paged_generic_range<DType, D, 8, kHqmqTailChunk, NW>(
+            p, s, h, g - j0 < 8 ? g - j0 : 8, m_end, it.t_end, it.comp, slot + j0 * (D + 2), s_q + j0 * D,
+            [&](int64_t pg, int r, int ln, float (&kx)[D / 32], float (&vx)[D / 32]) {
+              hqmq_load_row<D>(hp.k, pg, h, r, ln, kx);
+              hqmq_load_row<D>(hp.v, pg, h, r, ln, vx);
+            });
+    }
+    __syncthreads();
+    write_split_partial<D, NW>(ws, regions, sm.region, h * g, g, p.paged.max_items, (int)item);
+  }
 }
 
 /// \brief The combine launch after a split kernel of this family.
@@ -433,18 +482,19 @@ cudaError_t LaunchPagedCombine(const DecodeAttnParams& p, cudaStream_t stream) {
                                        dim3(D / 4 > 32 ? D / 4 : 32), 0, stream, ws, work, out, lse, n, Hq, mi);
 }
 
-/// \brief A split kernel of grid (H, max_items) with `smem` bytes, then the combine.
+/// \brief A split kernel(args...) of grid (H, grid_y) (grid_y = max_items: one CTA per item;
+/// fewer: CTAs that loop over items), `threads` threads and `smem` bytes, then the combine.
 /// p.paged.work holds the plan; p.ws Hq * max_items * (D + 2) floats (16-byte aligned).
-template <typename DType, int D, typename Kernel, typename Params>
-cudaError_t LaunchPagedSplitCombine(Kernel kernel, const Params& args, const DecodeAttnParams& p, size_t smem,
-                                    cudaStream_t stream) {
+template <typename DType, int D, typename Kernel, typename... Args>
+cudaError_t LaunchPagedSplitCombine(Kernel kernel, const DecodeAttnParams& p, size_t smem, int threads, int grid_y,
+                                    cudaStream_t stream, const Args&... args) {
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
   if (reinterpret_cast<uintptr_t>(p.ws) % 16 != 0) return cudaErrorMisalignedAddress;
   if (p.paged.max_items <= 0 || p.paged.max_items > 65535) return cudaErrorInvalidValue;
-  kernel<<<dim3((unsigned)p.H, (unsigned)p.paged.max_items), kWarps * 32, smem, stream>>>(args);
+  kernel<<<dim3((unsigned)p.H, (unsigned)grid_y), threads, smem, stream>>>(args...);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   return LaunchPagedCombine<DType, D>(p, stream);
@@ -454,16 +504,32 @@ cudaError_t LaunchPagedSplitCombine(Kernel kernel, const Params& args, const Dec
 template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0, bool FPT = false>
 cudaError_t LaunchPagedDecodeAttention(const DecodeAttnParams& p, cudaStream_t stream) {
   const size_t smem = paged_decode_smem_bytes<DType, D, BITS, KPC, MMA, FPT>((int)(p.Hq / p.H));
-  return LaunchPagedSplitCombine<DType, D>(PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV, FPT>, p, p, smem,
-                                           stream);
+  return LaunchPagedSplitCombine<DType, D>(PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV, FPT>, p, smem,
+                                           kWarps * 32, (int)p.paged.max_items, stream, p);
 }
 
-/// \brief HQMQ pages: split kernel + combine.
-template <typename DType, int D>
-cudaError_t LaunchPagedHqmqAttention(const PagedHqmqParams& hp, cudaStream_t stream) {
+/// \brief HQMQ pages: split kernel (launch format FMT, shared memory sm = hqmq_smem_plan of
+/// paged_hqmq_view) over a grid of one wave (`ctas_per_sm` resident CTAs on each of `sms` SMs,
+/// split between the H heads), then the combine.
+template <typename DType, int D, int FMT>
+cudaError_t LaunchPagedHqmqAttention(const PagedHqmqParams& hp, const HqmqSmem& sm, int sms, cudaStream_t stream) {
+  auto kernel = PagedHqmqAttentionKernel<DType, D, FMT>;
+  if (sm.total > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm.total);
+    if (e != cudaSuccess) return e;
+  }
+  static size_t cached_smem = 0;  // benign race: every thread computes the same value
+  static int cached_occ = 0;
+  int occ = cached_smem == sm.total ? cached_occ : 0;
+  if (occ == 0) {
+    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, hqmq_warps(D) * 32, sm.total);
+    if (e != cudaSuccess) return e;
+    cached_smem = sm.total, cached_occ = occ;
+  }
   const DecodeAttnParams& p = hp.base;
-  return LaunchPagedSplitCombine<DType, D>(PagedHqmqAttentionKernel<DType, D>, hp, p,
-                                           paged_hqmq_smem_bytes((int)(p.Hq / p.H), D), stream);
+  int64_t gy = (int64_t)(occ > 0 ? occ : 1) * sms / p.H;
+  gy = gy < 1 ? 1 : (gy > p.paged.max_items ? p.paged.max_items : gy);
+  return LaunchPagedSplitCombine<DType, D>(kernel, p, sm.total, hqmq_warps(D) * 32, (int)gy, stream, hp, sm);
 }
 
 }  // namespace attention
