@@ -234,6 +234,33 @@ def test_decode_step_compiles_fullgraph_without_recompiles(model, preset):
     torch._dynamo.reset()
 
 
+def test_generate_compiles_its_decode_steps_into_one_graph(model):
+    """generate's own compiled decode (its 4D mask of max_cache_len columns, positions from the
+    attention mask), forced on CPU with an aot_eager CompileConfig: one graph, no graph break,
+    the tokens of an uncompiled generate."""
+    from transformers import CompileConfig, GenerationConfig
+    cc = CompileConfig(backend="aot_eager", fullgraph=True, mode=None)
+    if not hasattr(cc, "_compile_all_devices"):
+        pytest.skip("this transformers compiles generate on accelerators only")
+    cc._compile_all_devices = True
+    _, ids, mask = left_padded([50, 37], seed=7)
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, pad_token_id=0)
+
+    def run(**extra):
+        cache = static(model, "kivi-2", rows=2, max_len=72, page_size=32, recent_window=32)
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(**kw, **extra),
+                                  **{kh.cache_kwarg(model): cache})
+
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    out = run(compile_config=cc)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert torch.equal(out, run(disable_compile=True))
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------- bad input
 def test_bad_input_raises_clear_errors(model):
     with pytest.raises(NotImplementedError, match="argument 'config'"):
