@@ -192,6 +192,54 @@ def test_generate_with_a_compressed_cache(model):
     assert torch.equal(gen(model, ids, cache, n, attention_mask=mask), out)  # reused after reset
 
 
+# ----------------------------------------------------------------------------- several new tokens (eager)
+def test_several_token_step_fp16_equals_dynamic_cache(model):
+    """A follow-up chunk after the prefill (row 1's chunk left-padded) and a decode step after it:
+    the logits of the real tokens are DynamicCache's; padding is not stored."""
+    lengths = [20, 13]
+    _, ids, mask = left_padded(lengths, seed=8)
+    chunk = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(9))
+    chunk_mask = torch.ones_like(chunk)
+    chunk[1, :2], chunk_mask[1, :2] = 0, 0
+    chunk_pos = torch.stack([lengths[0] + torch.arange(5), (lengths[1] + torch.arange(5) - 2).clamp(min=0)])
+    tok = torch.tensor([[3], [7]])
+    tok_pos = torch.tensor([[lengths[0] + 5], [lengths[1] + 3]])
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = []
+    for cache in (DynamicCache(), static(model, "fp16", rows=2, max_len=40, page_size=32)):
+        full = torch.cat([mask, chunk_mask], 1)
+        fwd(model, cache, ids, attention_mask=mask, position_ids=pos)
+        a = fwd(model, cache, chunk, attention_mask=full, position_ids=chunk_pos)
+        b = fwd(model, cache, tok, attention_mask=torch.cat([full, torch.ones(2, 1, dtype=full.dtype)], 1),
+                position_ids=tok_pos)
+        logits.append((a, b))
+    (ra, rb), (ga, gb) = logits
+    real = chunk_mask.bool()
+    torch.testing.assert_close(ga[real], ra[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gb, rb, rtol=1e-4, atol=1e-4)
+    assert cache.layers[0].row_lengths() == [20 + 5 + 1, 13 + 3 + 1]
+
+
+def test_several_token_step_equals_decoding_them_one_by_one(model):
+    """kivi-2: a chunk of 8 tokens (a page compressed inside it) gives the logits and the pages of
+    8 decode steps."""
+    lengths = [60, 45]
+    _, ids, mask = left_padded(lengths, seed=10)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    chunk = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(11))
+    chunk_pos = torch.tensor(lengths)[:, None] + torch.arange(8)
+    caches = [static(model, "kivi-2", rows=2, max_len=80, page_size=32, recent_window=32) for _ in range(2)]
+    for c in caches:
+        fwd(model, c, ids, attention_mask=mask, position_ids=pos)
+    got = fwd(model, caches[0], chunk, position_ids=chunk_pos)
+    want = torch.cat([fwd(model, caches[1], chunk[:, i:i + 1], position_ids=chunk_pos[:, i:i + 1]) for i in range(8)], 1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert caches[0].nbytes == caches[1].nbytes and caches[0].layers[1].row_lengths() == [68, 53]
+    tok = torch.tensor([[5], [9]])
+    torch.testing.assert_close(fwd(model, caches[0], tok, position_ids=chunk_pos[:, -1:] + 1),
+                               fwd(model, caches[1], tok, position_ids=chunk_pos[:, -1:] + 1), rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- torch.compile
 @pytest.mark.parametrize("preset", ["kivi-2", "hqmq-3.79"])
 def test_decode_step_compiles_fullgraph_without_recompiles(model, preset):
@@ -286,7 +334,7 @@ def test_bad_input_raises_clear_errors(model):
         fwd(model, static(model, "kivi-2", max_len=8), ids[:1])
     cache = static(model, "kivi-2", rows=1, max_len=11, page_size=32)
     fwd(model, cache, ids[:1])
-    with pytest.raises(NotImplementedError, match="one new token"):
+    with pytest.raises(ValueError, match="max_cache_len=11"):
         fwd(model, cache, ids[:1, :2])
     fwd(model, cache, ids[:1, :1])  # token 11 of 11
     with pytest.raises(ValueError, match="max_cache_len=11"):

@@ -30,7 +30,8 @@ by the same rule as ``PagedKVCache.append`` (so the pages hold the same codes), 
 the fresh tokens with SDPA.  Decode steps return the layer's persistent pool tensors, which
 carry the layer as an attribute set once at allocation: the ``"kvq"`` attention function finds
 the layer through it (torch.compile traces that lookup through the tensor's source) and attends
-over each row's own tokens, ignoring the model's mask.
+over each row's own tokens, ignoring the model's mask.  Several new tokens after the prefill
+(eager only) are appended and attended one at a time, as decode steps would.
 """
 from __future__ import annotations
 
@@ -151,27 +152,33 @@ class StaticQuantizedLayer(CacheLayerMixin):
         if B != self.batch:
             raise ValueError(f"argument 'key_states' holds {B} rows, but the cache holds {self.batch} "
                              "sequences (call reset() before another batch)")
-        if T != 1:
-            raise NotImplementedError(f"StaticQuantizedCache takes one new token per row after the prefill, got "
-                                      f"{T} (argument 'key_states'); use kvquant_ext.hf.QuantizedCache for "
-                                      "chunked prefill or several-token steps")
+        if T != 1 and torch.compiler.is_compiling():
+            raise NotImplementedError(f"a compiled StaticQuantizedCache step takes one new token per row, got {T} "
+                                      "(argument 'key_states'); run several-token steps eagerly")
         if not torch.compiler.is_compiling():
             # eager steps check their input (one read-back); compiled steps are sync-free
-            if int(self.seen) + 1 > p.max_cache_len:
+            if int(self.seen) + T > p.max_cache_len:
                 raise ValueError(f"argument 'key_states': the sequences would exceed the cache's "
                                  f"max_cache_len={p.max_cache_len}")
             if p.pool.check_finite:
                 p.pool._check_tokens(self.pages, key_states, value_states)
+        if T != 1:  # appended by the attention function, which reads their padding off its mask
+            self.pending = (key_states, value_states)
+            setattr(key_states, STATIC_ATTR, self)
+            return key_states, value_states
         self._append_step(key_states[:, :, 0].contiguous(), value_states[:, :, 0].contiguous())
         return self.pages.k_fp, self.pages.v_fp
 
-    def _append_step(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _append_step(self, k: torch.Tensor, v: torch.Tensor, real: Optional[torch.Tensor] = None) -> None:
         """One token per row (``k, v [B, H, D]``) at the row's own position; device ops only.
-        A token past max_cache_len goes to the scratch page and the row's length stays."""
+        A token past max_cache_len, or of a row where ``real`` (bool ``[B]``) is False, goes to
+        the scratch page and the row's length stays."""
         p, lay, B = self.parent, self.layout, self.batch
         P, W = p.page_size, p.recent_window
         pos = self.lens[:B].to(torch.int64)
         ok = pos < p.max_cache_len
+        if real is not None:
+            ok = ok & real
         slot = torch.where(ok, (lay.fp_base[:B] + (pos // P) % lay.ring) * P + pos % P, 0)
         src = dst = None
         if self.pages.compressed:
@@ -191,6 +198,12 @@ class StaticQuantizedLayer(CacheLayerMixin):
                                            scaling=scaling, is_causal=is_causal, **kwargs)
         if kwargs.get("softcap") is not None:
             raise NotImplementedError("kvq paged decode attention does not support logit softcapping")
+        if self.pending is not None:
+            return self._steps_attention(query, attention_mask, scaling), None
+        return self._decode(query[:, :, 0].contiguous(), scaling)[:, None], None
+
+    def _decode(self, q: torch.Tensor, scaling) -> torch.Tensor:
+        """Attention of one query per row ``q [B, Hq, D]`` over the row's tokens."""
         p, lay, B = self.parent, self.layout, self.batch
         lens = self.lens[:B]
         if self.pages.compressed:
@@ -200,9 +213,27 @@ class StaticQuantizedLayer(CacheLayerMixin):
         else:
             comp, table = lay.zeros[:B], lay.fp_table[:B]
         work = _ops.paged_decode_plan(lens, comp, self.max_items)
-        out = p.pool.decode_attention_from_tables(self.layer_idx, query[:, :, 0].contiguous(), table, lens, comp,
-                                                  work, scaling)
-        return out[:, None], None
+        return p.pool.decode_attention_from_tables(self.layer_idx, q, table, lens, comp, work, scaling)
+
+    def _steps_attention(self, query, attention_mask, scaling) -> torch.Tensor:
+        """Several new tokens after the prefill (eager): appended and attended one at a time, as
+        decode steps would (the same pages); a token whose own mask column is masked is padding
+        and is not stored.  Returns ``[B, T, Hq, D]``."""
+        k, v = self.pending
+        self.pending = None
+        T, start = k.shape[2], int(self.seen)
+        real = None
+        if attention_mask is not None:
+            m = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask  # [B, T, kv] or [B, kv]
+            if m.dtype != torch.bool:
+                m = m > torch.finfo(m.dtype).min / 2
+            cols = torch.arange(start, start + T, device=m.device)
+            real = (m[:, torch.arange(T, device=m.device), cols] if m.dim() == 3 else m[:, cols]).to(self.device)
+        outs = []
+        for t in range(T):
+            self._append_step(k[:, :, t].contiguous(), v[:, :, t].contiguous(), None if real is None else real[:, t])
+            outs.append(self._decode(query[:, :, t].contiguous(), scaling))
+        return torch.stack(outs, dim=1)
 
     def _prefill_attention(self, module, query, key, value, attention_mask, **kw):
         k, v = self.pending
