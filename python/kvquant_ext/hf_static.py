@@ -390,8 +390,8 @@ class StaticQuantizedCache(Cache):
         self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
         self.config, self.check_finite = config, bool(check_finite)
-        self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
-        self.max_cache_len = _positive_int("max_cache_len", max_cache_len)
+        self._max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        self._max_cache_len = _positive_int("max_cache_len", max_cache_len)
         self.page_size, self._recent_window = page_size, recent_window
         self.pool: Optional[PagedKVCache] = None
         super().__init__(layers=[StaticQuantizedLayer(self, i) for i in range(len(kinds))])
@@ -400,6 +400,16 @@ class StaticQuantizedCache(Cache):
                              "first update's are used)")
         if device is not None:
             self._allocate(dtype, torch.device(device))
+
+    @property
+    def max_batch_size(self) -> int:
+        """Rows the cache holds."""
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens of the padded timeline a row may reach."""
+        return self._max_cache_len
 
     def _allocate(self, dtype: torch.dtype, device) -> None:
         """Every layer's pools, lengths and page tables (once)."""
