@@ -109,8 +109,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.layout: Optional[_Layout] = None
         self.lens: Optional[torch.Tensor] = None
         self.seen: Optional[torch.Tensor] = None
-        self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # prefill tokens not stored yet
-        self.prefilled = False  # the rows' tokens are in the pages; later forwards are decode steps
+        self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # new tokens the attention stores
+        self.prefilled = False  # the prompt's real tokens are in the pages
         self.batch = 0          # rows of the current sequences (fixed by the prefill)
         self.max_items = 0
 
@@ -132,7 +132,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         p = self.parent
         if self.pending is not None:
             raise RuntimeError("StaticQuantizedCache needs the model's \"kvq\" attention (attn_implementation="
-                               "'kvq' or kvquant_ext.hf.enable(model)): the prefill tokens of layer "
+                               "'kvq' or kvquant_ext.hf.enable(model)): the new tokens of layer "
                                f"{self.layer_idx} never reached it, so they are not stored")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
