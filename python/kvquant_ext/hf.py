@@ -5,6 +5,10 @@ attention function that reads it.
 >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="kvq")
 >>> out = model.generate(**inputs, past_key_values=kvq.hf.QuantizedCache("kivi-2"))
 
+For compiled decoding (``torch.compile``, CUDA graphs) use
+:class:`~kvquant_ext.hf_static.StaticQuantizedCache` instead: preallocated pages per batch row,
+no host synchronisation in a decode step.
+
 (``kvq.hf.enable(model)`` switches an already loaded model to ``"kvq"`` attention;
 with transformers versions that renamed the argument, pass ``cache=`` instead of
 ``past_key_values=`` — :func:`cache_kwarg` tells which one a model takes.)
@@ -74,8 +78,8 @@ from .streams import FullPrecisionStream
 
 ATTN_NAME = "kvq"
 
-__all__ = ["ATTN_NAME", "QuantizedCache", "QuantizedLayer", "cache_kwarg", "enable",
-           "kvq_attention_forward", "register"]
+__all__ = ["ATTN_NAME", "QuantizedCache", "QuantizedLayer", "StaticQuantizedCache", "StaticQuantizedLayer",
+           "cache_kwarg", "enable", "kvq_attention_forward", "register"]
 
 
 # ----------------------------------------------------------------------------- handle
@@ -569,8 +573,14 @@ def kvq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
 
     ``query`` ``[B, Hq, q, D]``; returns ``([B, q, Hq, D], None)``.  Decode steps whose key
     carries a :class:`QuantizedCache` handle run :func:`kvquant_ext.decode_attention` on the
-    compressed layer; everything else (prefill, sliding layers, plain caches) runs SDPA.
+    compressed layer; keys of a :class:`StaticQuantizedCache` layer (its pool tensors on decode
+    steps, the fresh tokens at prefill) carry the layer, which attends; everything else
+    (prefill, sliding layers, plain caches) runs SDPA.
     """
+    static = getattr(key, STATIC_ATTR, None)
+    if static is not None:
+        return static.attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                is_causal=is_causal, **kwargs)
     handle = getattr(key, "_kvq_handle", None)
     if handle is not None:
         layer = handle.layer
@@ -640,3 +650,5 @@ def cache_kwarg(model) -> str:
 
 
 register()
+
+from .hf_static import STATIC_ATTR, StaticQuantizedCache, StaticQuantizedLayer  # noqa: E402

@@ -123,11 +123,16 @@ class PagedKVCache:
         a multiple of P (pages hold whole P tokens, so at least the config's window stays
         full precision).
     check_finite : raise on NaN/Inf in appended tokens (one check per append).
+    staging_pages : full-precision pages of each compressed layer, beyond the
+        ``2 + recent_window / P`` of every sequence, that let one append take more than P tokens
+        per sequence at once (default: between 8 and 64, from ``max_tokens``; 0 appends P tokens
+        per sequence per round).
     """
 
     def __init__(self, config, *, num_layers: int, num_kv_heads: int, head_dim: int, max_tokens: int,
                  dtype: torch.dtype = torch.float16, device="cpu", page_size: int = 128, max_seqs: int = 256,
-                 recent_window: Optional[int] = None, check_finite: bool = True):
+                 recent_window: Optional[int] = None, check_finite: bool = True,
+                 staging_pages: Optional[int] = None):
         if isinstance(config, str):
             config = get_config(config)
         if not isinstance(config, CompressionConfig):
@@ -156,6 +161,9 @@ class PagedKVCache:
                              f"got {recent_window!r}")
         if dtype not in _ops.FLOAT_DTYPES:
             raise TypeError(f"argument 'dtype' must be {DTYPES_TEXT}, got {dtype}")
+        if staging_pages is not None and (isinstance(staging_pages, bool) or not isinstance(staging_pages, int)
+                                          or staging_pages < 0):
+            raise ValueError(f"argument 'staging_pages' must be an int >= 0, got {staging_pages!r}")
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -170,7 +178,9 @@ class PagedKVCache:
             self.kspec = _paged_spec(config.key_spec(), P, head_dim)
             self.vspec = _paged_spec(config.value_spec(), P, head_dim)
         self.compressed = self.kspec is not None or self.hqmq is not None
-        self.staging_pages = max(8, min(64, -(-max_tokens // P))) if self.compressed else 0
+        if staging_pages is None:
+            staging_pages = max(8, min(64, -(-max_tokens // P)))
+        self.staging_pages = staging_pages if self.compressed else 0
         self.layers = []
         for i in range(num_layers):
             if self.compressed and not config.skips_layer(i, num_layers):
@@ -248,17 +258,7 @@ class PagedKVCache:
         if T == 0 or not seq_ids:
             return
         if self.check_finite:
-            # compressed pages hold fp16 scales / zero points (group quantization: |x| <= 65504)
-            # or fp16 radius scales (HQMQ: 4-element chunk norms <= 65504); one reduction, one sync
-            mag = (lambda x: chunk_norms(x).amax()) if layer.hqmq is not None else max_abs_of
-            m = float(torch.maximum(mag(k), mag(v)))
-            if not math.isfinite(m):
-                raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")
-            if layer.compressed and m > 65504.0:
-                name = "k" if float(mag(k)) > 65504.0 else "v"
-                what = "4-element chunks with norm" if layer.hqmq is not None else "entries with magnitude"
-                raise ValueError(f"argument '{name}' has {what} above 65504, which the compressed pages' fp16 "
-                                 "scales cannot represent (cache check_finite=True)")
+            self._check_tokens(layer, k, v)
         self._reserve(layer, seq_ids, T)
         P = self.page_size
         # rounds: each takes at most `step` tokens per sequence, so that its full-precision pages fit
@@ -266,6 +266,21 @@ class PagedKVCache:
         for a in range(0, T, step):
             self._append_round(layer, seq_ids, k[:, :, a:a + step], v[:, :, a:a + step])
         layer.history = hash((layer.history, tuple(seq_ids), T))
+
+    def _check_tokens(self, layer: _Layer, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise if ``k`` or ``v`` holds NaN/Inf, or (compressed layers) magnitudes the pages' fp16
+        scales cannot represent.  Synchronises with the device once."""
+        # compressed pages hold fp16 scales / zero points (group quantization: |x| <= 65504)
+        # or fp16 radius scales (HQMQ: 4-element chunk norms <= 65504); one reduction, one sync
+        mag = (lambda x: chunk_norms(x).amax()) if layer.hqmq is not None else max_abs_of
+        m = float(torch.maximum(mag(k), mag(v)))
+        if not math.isfinite(m):
+            raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")
+        if layer.compressed and m > 65504.0:
+            name = "k" if float(mag(k)) > 65504.0 else "v"
+            what = "4-element chunks with norm" if layer.hqmq is not None else "entries with magnitude"
+            raise ValueError(f"argument '{name}' has {what} above 65504, which the compressed pages' fp16 "
+                             "scales cannot represent (cache check_finite=True)")
 
     def _comp_pages_at(self, length: int) -> int:
         """Compressed pages of a sequence of `length` tokens: the whole pages older than the window."""
@@ -313,15 +328,7 @@ class PagedKVCache:
         if src:
             kw = dict(compress_src=torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True),
                       compress_dst=torch.tensor(dst, dtype=torch.int64).to(dev, non_blocking=True))
-        if layer.hqmq is not None:
-            _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t)
-            if kw:
-                self._encode_pages(layer, kw["compress_src"], kw["compress_dst"])
-        else:
-            ks, vs = layer.kspec, layer.vspec
-            _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slot_t, *layer.comp_tensors(), **kw,
-                              bits=ks.bits if ks else 2, k_per_channel=ks.per_channel if ks else True,
-                              v_per_channel=vs.per_channel if vs else False)
+        self._write(layer, kt, vt, slot_t, kw.get("compress_src"), kw.get("compress_dst"))
         i = 0
         for s in seq_ids:
             st = layer.seqs[s]
@@ -333,6 +340,22 @@ class PagedKVCache:
                 st.comp_pages.extend(dst[i:i + nfull])
                 st.row = None
                 i += nfull
+
+    def _write(self, layer: _Layer, kt: torch.Tensor, vt: torch.Tensor, slots: torch.Tensor,
+               src: Optional[torch.Tensor] = None, dst: Optional[torch.Tensor] = None) -> None:
+        """Tokens ``kt, vt [N, H, D]`` into the full-precision slots ``slots`` (int64 ``[N]``), then
+        the full-precision pages ``src`` compressed into the pages ``dst`` (int64 ``[M]``, or None).
+        Device launches only: traceable by torch.compile."""
+        if layer.hqmq is not None:
+            _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slots)
+            if src is not None:
+                self._encode_pages(layer, src, dst)
+            return
+        kw = {} if src is None else dict(compress_src=src, compress_dst=dst)
+        ks, vs = layer.kspec, layer.vspec
+        _ops.paged_append(layer.k_fp, layer.v_fp, kt, vt, slots, *layer.comp_tensors(), **kw,
+                          bits=ks.bits if ks else 2, k_per_channel=ks.per_channel if ks else True,
+                          v_per_channel=vs.per_channel if vs else False)
 
     def _encode_pages(self, layer: _Layer, src: torch.Tensor, dst: torch.Tensor) -> None:
         """HQMQ: full-precision pages ``src`` (each one ``[1, H, P, D]`` block) encoded into the
@@ -395,12 +418,21 @@ class PagedKVCache:
         if q.shape[1] % self.num_kv_heads:
             raise ValueError(f"argument 'q' has {q.shape[1]} heads, not a multiple of num_kv_heads={self.num_kv_heads}")
         bt, lens, comp, work = self._tables(layer, seq_ids)
+        return self.decode_attention_from_tables(layer_idx, q, bt, lens, comp, work, scale, return_lse=return_lse)
+
+    def decode_attention_from_tables(self, layer_idx: int, q: torch.Tensor, block_table: torch.Tensor,
+                                     seq_lens: torch.Tensor, comp_lens: torch.Tensor, work: torch.Tensor,
+                                     scale: Optional[float] = None, *, return_lse: bool = False):
+        """:meth:`decode_attention` over device tables the caller built (``block_table``, ``seq_lens``,
+        ``comp_lens`` as :meth:`batch_tables` returns them, ``work`` from
+        :func:`kvquant_ext.ops.paged_decode_plan`), in passes of at most 8 query heads per KV head.
+        No host work and no checks beyond the ops': traceable by torch.compile."""
         if scale is None:
             scale = self.head_dim ** -0.5
-        g, H, n = q.shape[1] // self.num_kv_heads, self.num_kv_heads, len(seq_ids)
+        g, H, n = q.shape[1] // self.num_kv_heads, self.num_kv_heads, q.shape[0]
 
         def run(qs):
-            return self.attention_op(layer_idx, qs, bt, lens, comp, work, float(scale))
+            return self.attention_op(layer_idx, qs, block_table, seq_lens, comp_lens, work, float(scale))
 
         if g <= 8:  # one call (the tensor cores take up to 8 query heads per KV head)
             out, lse = run(q)

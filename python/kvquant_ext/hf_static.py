@@ -1,0 +1,484 @@
+"""``kvq.hf.StaticQuantizedCache``: a compileable transformers cache on the paged pools of
+:class:`kvquant_ext.PagedKVCache` (transformers' ``StaticCache`` for compressed presets).
+
+>>> cache = kvq.hf.StaticQuantizedCache("kivi-2", model.config, max_batch_size=4, max_cache_len=4096)
+>>> out = model.generate(**inputs, past_key_values=cache)   # decode compiled on CUDA
+
+Static page layout
+------------------
+Every layer owns one ``PagedKVCache`` layer's pools, and every batch row ``b`` a fixed set of
+their pages: compressed pages ``1 + b J .. b J + J`` (``J = ceil(max_cache_len / P)``; logical
+page ``j`` of row ``b`` is compressed page ``1 + b J + j``) and a ring of ``R`` full-precision
+pages ``1 + b R .. b R + R`` (logical page ``j`` is ring page ``j mod R``; ``R = W/P + 2`` for
+a compressed layer, which holds the recent window, the page being filled and the page being
+compressed; ``R = J + 1`` for a full-precision layer, whose ring never wraps).  Page 0 of both
+pools is scratch.  So the slot of a row's next token, the page pair to compress when a page
+leaves the window, the compressed length and the block table (compressed pages first, then the
+full-precision ones) are tensor arithmetic on the row's length, a device tensor.
+
+A decode step (one token per row) therefore runs device launches only: ``paged_append`` with
+one slot and one (src, dst) page pair per row (scratch page 0 -> scratch page 0 for rows with
+nothing to compress), the lengths advanced in place, ``paged_decode_plan`` and the paged
+attention op.  The per-step state lives in tensors mutated in place (marked as static
+addresses for CUDA graphs); the Python state (batch size, flags) is fixed after the prefill, so
+a compiled step neither breaks the graph nor recompiles from one step to the next.
+
+Prefill (the first forward, eager): ``update`` returns the fresh keys/values and the ``"kvq"``
+attention function reads the real tokens of every row off the attention mask it receives
+(left padding is dropped: it costs neither memory nor decode compute), stores them page by page
+by the same rule as ``PagedKVCache.append`` (so the pages hold the same codes), and attends on
+the fresh tokens with SDPA.  Decode steps return the layer's persistent pool tensors, which
+carry the layer as an attribute set once at allocation: the ``"kvq"`` attention function finds
+the layer through it (torch.compile traces that lookup through the tensor's source) and attends
+over each row's own tokens, ignoring the model's mask.  Several new tokens after the prefill
+(eager only) are appended and attended one at a time, as decode steps would.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from . import _ops
+from .config import CompressionConfig, FP16Config, GroupQuantBase, HQMQConfig, get_config
+from .paged import PagedKVCache
+
+__all__ = ["StaticQuantizedCache", "StaticQuantizedLayer"]
+
+STATIC_ATTR = "_kvq_static"  # attribute naming the StaticQuantizedLayer on its tensors
+
+
+def _positive_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"argument '{name}' must be a positive int, got {v!r}")
+    return v
+
+
+def _real_tokens(attention_mask: Optional[torch.Tensor], q: int) -> Optional[torch.Tensor]:
+    """``[B, q]`` bool of the tokens a prefill row really holds (its last query's mask row), or
+    None when the mask hides none."""
+    if attention_mask is None:
+        return None
+    m = attention_mask
+    if m.dim() == 4:
+        m = m[:, 0, -1, :]
+    elif m.dim() == 3:
+        m = m[:, -1, :]
+    if m.dtype != torch.bool:  # additive float mask: 0 attends, a large negative does not
+        m = m > torch.finfo(m.dtype).min / 2
+    return m[:, :q]
+
+
+class _Layout:
+    """The static page layout of one kind of layer (compressed or full precision): device
+    tables indexed by batch row."""
+
+    def __init__(self, n_fp: int, n_comp: int, rows: int, pages: int, device):
+        self.ring = (n_fp - 1) // rows            # full-precision pages per row
+        self.comp = max(0, n_comp - 1) // rows    # compressed pages per row (0: none)
+        r = torch.arange(rows, dtype=torch.int64, device=device)
+        j = torch.arange(pages, dtype=torch.int64, device=device)
+        self.fp_base = 1 + r * self.ring
+        self.comp_base = 1 + r * self.comp
+        self.fp_table = (self.fp_base[:, None] + j % self.ring).to(torch.int32)
+        self.comp_table = (self.comp_base[:, None] + j).to(torch.int32)
+        self.page_idx = j.to(torch.int32)
+        self.zeros = torch.zeros(rows, dtype=torch.int32, device=device)
+
+    def tensors(self):
+        return (self.fp_base, self.comp_base, self.fp_table, self.comp_table, self.page_idx, self.zeros)
+
+
+class StaticQuantizedLayer(CacheLayerMixin):
+    """One model layer of a :class:`StaticQuantizedCache`: the layer's pools in the parent's
+    ``PagedKVCache``, the per-row lengths ``lens`` (int32 ``[max_batch_size]``) and ``seen``
+    (int64 0-dim: tokens of the padded timeline the model has run, which
+    :meth:`get_seq_length` returns, as ``StaticLayer`` returns its ``cumulative_length``)."""
+
+    is_compileable = True
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = True
+
+    def __init__(self, parent: "StaticQuantizedCache", layer_idx: int):
+        super().__init__()
+        self.parent, self.layer_idx = parent, layer_idx
+        self.pages = None      # the PagedKVCache layer (pools) once allocated
+        self.layout: Optional[_Layout] = None
+        self.lens: Optional[torch.Tensor] = None
+        self.seen: Optional[torch.Tensor] = None
+        self.pending: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # new tokens the attention stores
+        self.prefilled = False  # the prompt's real tokens are in the pages
+        self.batch = 0          # rows of the current sequences (fixed by the prefill)
+        self.max_items = 0
+
+    # -- allocation --------------------------------------------------------------------
+    def _bind(self, pages, layout: _Layout, device) -> None:
+        self.pages, self.layout = pages, layout
+        self.lens = torch.zeros(self.parent.max_batch_size, dtype=torch.int32, device=device)
+        self.seen = torch.zeros((), dtype=torch.int64, device=device)
+        setattr(pages.k_fp, STATIC_ATTR, self)
+        setattr(pages.v_fp, STATIC_ATTR, self)
+        self.device = device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.parent._allocate(key_states.dtype, key_states.device)
+
+    # -- update ------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        p = self.parent
+        if self.pending is not None:
+            raise RuntimeError("StaticQuantizedCache needs the model's \"kvq\" attention (attn_implementation="
+                               "'kvq' or kvquant_ext.hf.enable(model)): the new tokens of layer "
+                               f"{self.layer_idx} never reached it, so they are not stored")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        p._check_states(key_states, value_states)
+        B, _, T, _ = key_states.shape
+        if not self.prefilled:
+            if B > p.max_batch_size:
+                raise ValueError(f"argument 'key_states' holds {B} rows, more than the cache's "
+                                 f"max_batch_size={p.max_batch_size}")
+            if T > p.max_cache_len:
+                raise ValueError(f"argument 'key_states' holds {T} tokens, more than the cache's "
+                                 f"max_cache_len={p.max_cache_len}")
+            self.pending = (key_states, value_states)
+            self.seen.fill_(T)
+            setattr(key_states, STATIC_ATTR, self)
+            return key_states, value_states
+        if B != self.batch:
+            raise ValueError(f"argument 'key_states' holds {B} rows, but the cache holds {self.batch} "
+                             "sequences (call reset() before another batch)")
+        if T != 1 and torch.compiler.is_compiling():
+            raise NotImplementedError(f"a compiled StaticQuantizedCache step takes one new token per row, got {T} "
+                                      "(argument 'key_states'); run several-token steps eagerly")
+        if not torch.compiler.is_compiling():
+            # eager steps check their input (one read-back); compiled steps are sync-free
+            if int(self.seen) + T > p.max_cache_len:
+                raise ValueError(f"argument 'key_states': the sequences would exceed the cache's "
+                                 f"max_cache_len={p.max_cache_len}")
+            if p.pool.check_finite:
+                p.pool._check_tokens(self.pages, key_states, value_states)
+        if T != 1:  # appended by the attention function, which reads their padding off its mask
+            self.pending = (key_states, value_states)
+            setattr(key_states, STATIC_ATTR, self)
+            return key_states, value_states
+        self._append_step(key_states[:, :, 0].contiguous(), value_states[:, :, 0].contiguous())
+        return self.pages.k_fp, self.pages.v_fp
+
+    def _append_step(self, k: torch.Tensor, v: torch.Tensor, real: Optional[torch.Tensor] = None) -> None:
+        """One token per row (``k, v [B, H, D]``) at the row's own position; device ops only.
+        A token past max_cache_len, or of a row where ``real`` (bool ``[B]``) is False, goes to
+        the scratch page and the row's length stays."""
+        p, lay, B = self.parent, self.layout, self.batch
+        P, W = p.page_size, p.recent_window
+        pos = self.lens[:B].to(torch.int64)
+        ok = pos < p.max_cache_len
+        if real is not None:
+            ok = ok & real
+        slot = torch.where(ok, (lay.fp_base[:B] + (pos // P) % lay.ring) * P + pos % P, 0)
+        src = dst = None
+        if self.pages.compressed:
+            old = (pos - W).clamp(min=0) // P        # compressed pages before the token
+            due = ok & ((pos + 1 - W).clamp(min=0) // P > old)
+            src = torch.where(due, lay.fp_base[:B] + old % lay.ring, 0)
+            dst = torch.where(due, lay.comp_base[:B] + old, 0)
+        p.pool._write(self.pages, k, v, slot, src, dst)
+        self.lens[:B].add_(ok.to(torch.int32))
+        self.seen.add_(1)
+
+    # -- attention (called by the "kvq" attention function) --------------------------------
+    def attention(self, module, query, key, value, attention_mask, *, dropout=0.0, scaling=None,
+                  is_causal=None, **kwargs):
+        if not self.prefilled:
+            return self._prefill_attention(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling, is_causal=is_causal, **kwargs)
+        if kwargs.get("softcap") is not None:
+            raise NotImplementedError("kvq paged decode attention does not support logit softcapping")
+        if self.pending is not None:
+            return self._steps_attention(query, attention_mask, scaling), None
+        return self._decode(query[:, :, 0].contiguous(), scaling)[:, None], None
+
+    def _decode(self, q: torch.Tensor, scaling) -> torch.Tensor:
+        """Attention of one query per row ``q [B, Hq, D]`` over the row's tokens."""
+        p, lay, B = self.parent, self.layout, self.batch
+        lens = self.lens[:B]
+        if self.pages.compressed:
+            c = (lens - p.recent_window).clamp(min=0) // p.page_size
+            comp = c * p.page_size
+            table = torch.where(lay.page_idx < c[:, None], lay.comp_table[:B], lay.fp_table[:B])
+        else:
+            comp, table = lay.zeros[:B], lay.fp_table[:B]
+        work = _ops.paged_decode_plan(lens, comp, self.max_items)
+        return p.pool.decode_attention_from_tables(self.layer_idx, q, table, lens, comp, work, scaling)
+
+    def _steps_attention(self, query, attention_mask, scaling) -> torch.Tensor:
+        """Several new tokens after the prefill (eager): appended and attended one at a time, as
+        decode steps would (the same pages); a token whose own mask column is masked is padding
+        and is not stored.  Returns ``[B, T, Hq, D]``."""
+        k, v = self.pending
+        self.pending = None
+        T, start = k.shape[2], int(self.seen)
+        real = None
+        if attention_mask is not None:
+            m = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask  # [B, T, kv] or [B, kv]
+            if m.dtype != torch.bool:
+                m = m > torch.finfo(m.dtype).min / 2
+            cols = torch.arange(start, start + T, device=m.device)
+            real = (m[:, torch.arange(T, device=m.device), cols] if m.dim() == 3 else m[:, cols]).to(self.device)
+        outs = []
+        for t in range(T):
+            self._append_step(k[:, :, t].contiguous(), v[:, :, t].contiguous(), None if real is None else real[:, t])
+            outs.append(self._decode(query[:, :, t].contiguous(), scaling))
+        return torch.stack(outs, dim=1)
+
+    def _prefill_attention(self, module, query, key, value, attention_mask, **kw):
+        k, v = self.pending
+        q = k.shape[2]
+        self._store_prefill(k, v, _real_tokens(attention_mask, q))
+        mask = None if attention_mask is None else attention_mask[..., :q]
+        return sdpa_attention_forward(module, query, key, value, mask, **kw)
+
+    def _store_prefill(self, k: torch.Tensor, v: torch.Tensor, real: Optional[torch.Tensor]) -> None:
+        """The real tokens of every row into the row's pages, page by page: round r writes logical
+        page r of every row into its ring and compresses the page that leaves the window."""
+        p, lay = self.parent, self.layout
+        P, W, dev = p.page_size, p.recent_window, self.device
+        B, _, q, _ = k.shape
+        keep = torch.ones(B, q, dtype=torch.bool, device=dev) if real is None else real.to(dev)
+        counts = keep.sum(1).tolist()
+        kt, vt = k.permute(0, 2, 1, 3)[keep], v.permute(0, 2, 1, 3)[keep]  # [N, H, D], row-major
+        if p.pool.check_finite and kt.shape[0]:
+            p.pool._check_tokens(self.pages, kt, vt)
+        rows = torch.arange(B, device=dev)[:, None].expand(B, q)[keep]
+        pos = (keep.cumsum(1) - 1)[keep]
+        comp_at = p.pool._comp_pages_at
+        for r in range(-(-max(counts, default=0) // P)):
+            idx = ((pos // P) == r).nonzero().squeeze(1)
+            slots = (lay.fp_base[rows[idx]] + r % lay.ring) * P + pos[idx] % P
+            src, dst = [], []
+            if self.pages.compressed:
+                for b, n in enumerate(counts):
+                    old = comp_at(min(r * P, n))
+                    if comp_at(min((r + 1) * P, n)) > old:  # page `old` leaves the window in this round
+                        src.append(1 + b * lay.ring + old % lay.ring)
+                        dst.append(1 + b * lay.comp + old)
+            pairs = (torch.tensor(src, dtype=torch.int64, device=dev),
+                     torch.tensor(dst, dtype=torch.int64, device=dev)) if src else (None, None)
+            p.pool._write(self.pages, kt[idx], vt[idx], slots, *pairs)
+        self.lens.zero_()
+        self.lens[:B] = torch.tensor(counts, dtype=torch.int32, device=dev)
+        self.batch, self.max_items = B, p.pool.default_max_items(B)
+        self.pending, self.prefilled = None, True
+
+    # -- CacheLayerMixin -----------------------------------------------------------------
+    def get_seq_length(self, *args):
+        """Tokens of the padded timeline run so far (a 0-dim device tensor once allocated)."""
+        return self.seen if self.is_initialized else 0
+
+    def get_mask_sizes(self, *args) -> Tuple[int, int]:
+        # fixed, so that the compiled step's mask has one shape (the decode attention ignores it)
+        return self.parent.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.parent.max_cache_len
+
+    def get_max_cache_shape(self) -> int:  # older name
+        return self.get_max_length()
+
+    def row_lengths(self) -> list:
+        """Tokens stored for each row (host list; synchronises)."""
+        return self.lens[:self.batch].tolist() if self.prefilled else []
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored for the rows' tokens, counted as ``PagedKVCache.nbytes`` counts them."""
+        if not self.prefilled:
+            return 0
+        pool, P = self.parent.pool, self.parent.page_size
+        cp, fp_tok = pool._page_bytes(self.pages)
+        lens = self.row_lengths()
+        comp = [pool._comp_pages_at(n) if self.pages.compressed else 0 for n in lens]
+        total = sum(c * cp + (n - c * P) * fp_tok for c, n in zip(comp, lens))
+        return total + (pool._secondary_bytes(self.pages) if any(comp) else 0)
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.lens.zero_()
+            self.seen.zero_()
+        self.pending, self.prefilled, self.batch = None, False, 0
+
+    def _refuse(self, what: str):
+        raise NotImplementedError(f"StaticQuantizedCache does not support {what}; use "
+                                  "kvquant_ext.hf.QuantizedCache")
+
+    def crop(self, tokens_to_remove) -> None:
+        self._refuse("crop (assisted decoding)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        self._refuse("reorder_cache (beam search)")
+
+    def batch_select_indices(self, indices) -> None:
+        self._refuse("batch_select_indices")
+
+    def batch_repeat_interleave(self, repeats) -> None:
+        self._refuse("batch_repeat_interleave")
+
+    def offload(self):  # pragma: no cover - offloading is not supported
+        pass
+
+    def prefetch(self):  # pragma: no cover
+        pass
+
+    def __repr__(self):
+        return f"StaticQuantizedLayer(idx={self.layer_idx}, rows={self.batch}, prefilled={self.prefilled})"
+
+
+class StaticQuantizedCache(Cache):
+    """A compileable transformers ``Cache`` of preallocated compressed pages (use with
+    ``attn_implementation="kvq"``): every batch row owns a static set of pages of each layer's
+    :class:`~kvquant_ext.PagedKVCache` pools, so a decode step is device work only and
+    ``torch.compile`` (``fullgraph=True``, CUDA graphs) can capture it.
+
+    Parameters
+    ----------
+    config : a preset name or :class:`~kvquant_ext.config.CompressionConfig` that
+        ``PagedKVCache`` stores: ``fp16``, the group-quantization presets (KIVI, KCVT, per-token
+        INT, FlexGen) or HQMQ without Med3x outliers (``hqmq-3.79``, ``hqmq-3.79-paper``).
+    model_config : the model's transformers config (layers, KV heads, head dim); models with
+        sliding-window or chunked attention layers are refused.
+    max_batch_size : rows the cache holds.
+    max_cache_len : tokens of the padded timeline (prompt with its padding, plus generated
+        tokens) a row may reach; every row stores only its real tokens.
+    device, dtype : of the pools (default: those of the first ``update``).
+    check_finite : raise on NaN/Inf in the prompt and in eager decode steps (compiled steps do
+        not check).
+    page_size : P, a power of two >= 32 (default 128), a multiple of the key group size.
+    recent_window : W, a multiple of P, as ``PagedKVCache``'s (default: the config's window
+        rounded up to a multiple of P).
+    """
+
+    def __init__(self, config, model_config, *, max_batch_size: int, max_cache_len: int, device=None,
+                 dtype: Optional[torch.dtype] = None, check_finite: bool = True, page_size: int = 128,
+                 recent_window: Optional[int] = None):
+        from .hf import _layer_kinds  # hf imports this module at its end
+        if isinstance(config, str):
+            config = get_config(config)
+        if not isinstance(config, CompressionConfig):
+            raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
+                            f"got {type(config).__name__}")
+        if not isinstance(config, (FP16Config, GroupQuantBase, HQMQConfig)) or \
+                (isinstance(config, HQMQConfig) and config.outlier_factor is not None):
+            raise NotImplementedError(f"argument 'config': StaticQuantizedCache does not support {config!r}; "
+                                      "supported: fp16, the group-quantization presets (KIVI, KCVT, per-token "
+                                      "INT, FlexGen) and HQMQ without Med3x outliers (hqmq-3.79, "
+                                      "hqmq-3.79-paper)")
+        if model_config is None or (not hasattr(model_config, "num_hidden_layers") and
+                                    not hasattr(model_config, "get_text_config")):
+            raise TypeError("argument 'model_config' must be the model's transformers config")
+        kinds = _layer_kinds(model_config)
+        if any(kind != "compressed" for kind, _ in kinds):
+            raise NotImplementedError("argument 'model_config' has sliding-window or chunked attention layers, "
+                                      "which StaticQuantizedCache does not hold; use "
+                                      "kvquant_ext.hf.QuantizedCache")
+        text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") \
+            else model_config
+        heads = int(text.num_attention_heads)
+        self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        self.config, self.check_finite = config, bool(check_finite)
+        self._max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        self._max_cache_len = _positive_int("max_cache_len", max_cache_len)
+        self.page_size, self._recent_window = page_size, recent_window
+        self.pool: Optional[PagedKVCache] = None
+        super().__init__(layers=[StaticQuantizedLayer(self, i) for i in range(len(kinds))])
+        if (device is None) != (dtype is None):
+            raise ValueError("arguments 'device' and 'dtype' must be given together (or neither: then the "
+                             "first update's are used)")
+        if device is not None:
+            self._allocate(dtype, torch.device(device))
+
+    @property
+    def max_batch_size(self) -> int:
+        """Rows the cache holds."""
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """Tokens of the padded timeline a row may reach."""
+        return self._max_cache_len
+
+    def _allocate(self, dtype: torch.dtype, device) -> None:
+        """Every layer's pools, lengths and page tables (once)."""
+        if self.pool is not None:
+            return
+        P = self.page_size
+        if isinstance(P, bool) or not isinstance(P, int) or P < 32 or P & (P - 1):
+            raise ValueError(f"argument 'page_size' must be a power of two >= 32, got {P!r}")
+        pages = -(-self.max_cache_len // P)
+        self.pool = PagedKVCache(self.config, num_layers=len(self.layers), num_kv_heads=self.num_kv_heads,
+                                 head_dim=self.head_dim, max_tokens=self.max_batch_size * pages * P, dtype=dtype,
+                                 device=device, page_size=P, max_seqs=self.max_batch_size,
+                                 recent_window=self._recent_window, check_finite=self.check_finite,
+                                 staging_pages=0)
+        self.recent_window = self.pool.recent_window
+        dev = self.pool.device
+        layouts = {}
+        for layer, pl in zip(self.layers, self.pool.layers):
+            shape = (pl.k_fp.shape[0], 0 if pl.comp is None else pl.comp["k"][0].shape[0])
+            if shape not in layouts:
+                layouts[shape] = _Layout(*shape, self.max_batch_size, pages, dev)
+            layer._bind(pl, layouts[shape], dev)
+        if not torch.compiler.is_compiling():  # fixed addresses: CUDA graphs keep them
+            mark = torch._dynamo.mark_static_address
+            for layer, pl in zip(self.layers, self.pool.layers):
+                for t in (pl.k_fp, pl.v_fp, layer.lens, layer.seen, *(pl.comp_tensors() if pl.comp else ())):
+                    if t is not None:
+                        mark(t)
+            for lay in layouts.values():
+                for t in lay.tensors():
+                    mark(t)
+
+    def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        pool = self.pool
+        for name, x in (("key_states", k), ("value_states", v)):
+            if x.dim() != 4 or x.shape[1] != self.num_kv_heads or x.shape[3] != self.head_dim:
+                raise ValueError(f"argument '{name}' must be [B, H={self.num_kv_heads}, T, D={self.head_dim}], "
+                                 f"got {tuple(x.shape)}")
+            if x.dtype != pool.dtype or x.device != pool.device:
+                raise TypeError(f"argument '{name}' is {x.dtype} on {x.device}, but the cache holds "
+                                f"{pool.dtype} on {pool.device}")
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_cache_len
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return self.max_cache_len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored for the rows' tokens (compressed pages, full-precision tokens, HQMQ sets)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes allocated for the pools (0 before allocation)."""
+        return 0 if self.pool is None else self.pool.capacity_bytes
+
+    def crop(self, tokens_to_remove) -> None:
+        self.layers[0].crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx) -> None:
+        self.layers[0].reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices) -> None:
+        self.layers[0].batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats) -> None:
+        self.layers[0].batch_repeat_interleave(repeats)
