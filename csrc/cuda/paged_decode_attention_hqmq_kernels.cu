@@ -4,7 +4,6 @@
 #include "kvq/attention/paged_decode_attention.cuh"
 #include "kvq/cuda_api.h"
 #include "kvq/common/dispatch.h"
-#include "kvq/quant/group_quant.cuh"
 
 namespace kvq {
 namespace attention {
@@ -29,19 +28,18 @@ cudaError_t paged_decode_attention_hqmq_cuda(const PagedHqmqParams& hp, DTypeId 
   const DecodeAttnParams& p = hp.base;
   if (p.paged.block_table == nullptr || p.paged.work == nullptr) return cudaErrorInvalidValue;
   if (!supported_head_dim(p.D) || p.Hq / p.H > kMaxGroup) return cudaErrorInvalidValue;
-  const int sms = quant::num_sms();
   HqmqAttnParams view = paged_hqmq_view(hp);
   if (dtype == DTypeId::kFloat32) {  // fp32 caches: exact fp32 decode on the CUDA-core loop
     view.Tc = 0;                     // (no tensor-core layout)
     const HqmqSmem sm = hqmq_smem_plan(view);
 #define KVQ_LAUNCH(D) \
-  (D == 0 ? cudaErrorInvalidValue : LaunchPagedHqmqAttention<float, (D == 0 ? 32 : D), kHqmqNoMma>(hp, sm, sms, stream))
+  (D == 0 ? cudaErrorInvalidValue : LaunchPagedHqmqAttention<float, (D == 0 ? 32 : D), kHqmqNoMma>(hp, sm, stream))
     KVQ_SWITCH_HEAD_DIM_OR_0(p.D, KVQ_LAUNCH)
 #undef KVQ_LAUNCH
   }
   const int fmt = hqmq_launch_fmt(view);
   const HqmqSmem sm = hqmq_smem_plan(view, fmt);
-#define KVQ_LAUNCH(D, FMT) LaunchPagedHqmqAttention<DType, D, FMT>(hp, sm, sms, stream)
+#define KVQ_LAUNCH(D, FMT) LaunchPagedHqmqAttention<DType, D, FMT>(hp, sm, stream)
   switch (dtype) {
     case DTypeId::kFloat16: { using DType = half_t; KVQ_PAGED_HQMQ_DISPATCH(KVQ_LAUNCH) }
     case DTypeId::kBFloat16: { using DType = bf16_t; KVQ_PAGED_HQMQ_DISPATCH(KVQ_LAUNCH) }

@@ -398,11 +398,18 @@ class PagedKVCache:
         return bt, lens, comp, work
 
     def default_max_items(self, num_seqs: int) -> int:
-        """A work-list capacity that fills the device in one wave of split CTAs."""
+        """A work-list capacity that fills the device with about one wave of split CTAs per kind
+        of token (compressed, full precision): the group-quantized and fp16 split kernels keep 3
+        CTAs per SM resident, the HQMQ one (12 warps sharing the codebooks) one, so HQMQ pages
+        take fewer, longer items (a CTA's fixed cost -- codebooks, pipeline fill -- is paid per
+        item)."""
         if self._slots is None:
-            self._slots = 264
+            sms = 88
             if self.device.type == "cuda":
-                self._slots = 3 * torch.cuda.get_device_properties(self.device).multi_processor_count
+                sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._slots = sms if self.hqmq is not None else 3 * sms
+        if self.hqmq is not None:
+            return min(65535, 2 * num_seqs + 2 * max(1, self._slots // self.num_kv_heads))
         return min(65535, 2 * num_seqs + 2 + 2 * -(-self._slots // self.num_kv_heads))
 
     def decode_attention(self, q: torch.Tensor, layer_idx: int, seq_ids: Sequence[int],

@@ -902,19 +902,18 @@ __device__ void hqmq_build_codebooks(const HqmqKV& k, const HqmqKV& v, int64_t h
 }
 
 /// \brief The CTA's tensor-core part: when sm.mma and t_begin < t_end (uniform per CTA), the
-/// codebooks of KV head h (unless `built`: a CTA that already holds them), then each warp's tiles
-/// of [t_begin, t_end) (whole tiles, addresses from `tiles`) into its slot; otherwise every warp's
-/// slot starts empty.  s_q must be written (the barrier here publishes it).  FMT < 0 (kHqmqNoMma): no tensor-core code is instantiated and
+/// codebooks of KV head h, then each warp's tiles of [t_begin, t_end) (whole tiles, addresses
+/// from `tiles`) into its slot; otherwise every warp's slot starts empty.  s_q must be written (the barrier here publishes it).  FMT < 0 (kHqmqNoMma): no tensor-core code is instantiated and
 /// the slots start empty.
 template <typename DType, int D, int FMT, typename Tiles>
 __device__ __forceinline__ void hqmq_cta_mma(const HqmqAttnParams& p, const HqmqSmem& sm, const Tiles& tiles,
                                              int64_t b, int64_t h, int g, int64_t t_begin, int64_t t_end,
-                                             char* smem, char* region, const float* s_q, bool built = false) {
+                                             char* smem, char* region, const float* s_q) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* slot = reinterpret_cast<float*>(region);
   if constexpr (FMT >= 0) {
     const bool do_mma = sm.mma && t_begin < t_end;
-    if (do_mma && !built) hqmq_build_codebooks<D, FMT>(p.k, p.v, h, smem, sm);
+    if (do_mma) hqmq_build_codebooks<D, FMT>(p.k, p.v, h, smem, sm);
     __syncthreads();
     if (do_mma) {
       float* buf = reinterpret_cast<float*>(region + sm.region - sizeof(float) * kTile * 8);

@@ -420,54 +420,48 @@ KVQ_HOST_DEVICE HqmqAttnParams paged_hqmq_view(const PagedHqmqParams& hp) {
   return a;
 }
 
-/// \brief HQMQ split kernel: CTA (h = blockIdx.x, blockIdx.y) of hqmq_warps(D) warps runs KV head
-/// h over the items blockIdx.y, blockIdx.y + gridDim.y, ... of the plan (a grid of about one wave:
-/// the head's codebooks are built once per CTA, at its first item with compressed tiles).  Whole
-/// 32-token tiles of compressed tokens run the contiguous HQMQ tensor-core path (hqmq_cta_mma,
-/// tile addresses from the block table) when sm.mma; the rest (full-precision tokens, a partial
-/// tile, or every token where the tensor cores cannot take the call) goes through the CUDA-core
-/// loop in passes of <= 8 query heads, compressed rows decoded by hqmq_load_row.  Shared memory:
-/// the layout of hqmq_smem_plan.  Writes each item's partials as PagedDecodeAttentionKernel does.
+/// \brief HQMQ split kernel: CTA (h = blockIdx.x, item = blockIdx.y) of hqmq_warps(D) warps runs
+/// KV head h over the item's token range.  Whole 32-token tiles of compressed tokens run the
+/// contiguous HQMQ tensor-core path (hqmq_cta_mma: the head's codebooks in shared memory, tile
+/// addresses from the block table) when sm.mma; the rest (full-precision tokens, a partial tile,
+/// or every token where the tensor cores cannot take the call) goes through the CUDA-core loop in
+/// passes of <= 8 query heads, compressed rows decoded by hqmq_load_row.  Shared memory: the
+/// layout of hqmq_smem_plan.  Writes the partials as PagedDecodeAttentionKernel does.
 template <typename DType, int D, int FMT>
 __global__ void __launch_bounds__(hqmq_warps(D) * 32, 1) PagedHqmqAttentionKernel(PagedHqmqParams hp, HqmqSmem sm) {
   constexpr int NW = hqmq_warps(D);
   pdl_allow_dependents();
   const DecodeAttnParams& p = hp.base;
-  const int64_t h = blockIdx.x, n_items = p.paged.work[0];
+  const int64_t item = blockIdx.y, h = blockIdx.x;
+  if (item >= p.paged.work[0]) return;  // uniform per CTA
   extern __shared__ __align__(16) char smem[];
+  const PagedItem it = paged_item(p, item);
+  const int64_t s = it.s;
   const int g = (int)(p.Hq / p.H);
   const int warp = threadIdx.x / 32;
   float* s_q = reinterpret_cast<float*>(smem + sm.cb_k + sm.cb_v);  // [g][D]
   char* regions = smem + sm.cb_k + sm.cb_v + sm.q;
   char* region = regions + warp * sm.region;
   float* slot = reinterpret_cast<float*>(region);
-  const SplitWs ws(p.ws, p.Hq, p.paged.max_items, D);
-  bool built = false;  // this CTA holds head h's codebooks
-  for (int64_t item = blockIdx.y; item < n_items; item += gridDim.y) {  // uniform per CTA
-    const PagedItem it = paged_item(p, item);
-    const int64_t s = it.s;
-    __syncthreads();  // the previous item's q and slots are read
-    const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
-    for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
-    // whole tiles of compressed tokens (t_begin is a multiple of the chunk step, hence of 32)
-    const int64_t c_end = it.t_end < it.comp ? it.t_end : it.comp;
-    const int64_t m_end =
-        sm.mma && it.t_begin < c_end ? it.t_begin + (c_end - it.t_begin) / kTile * kTile : it.t_begin;
-    hqmq_cta_mma<DType, D, FMT>(paged_hqmq_view(hp), sm, hqmq_page_tiles(hp, s, h), s, h, g, it.t_begin, m_end,
-                                smem, region, s_q, built);
-    built = built || m_end > it.t_begin;
-    if (m_end < it.t_end) {  // uniform per CTA
-      for (int j0 = 0; j0 < g; j0 += 8)
-        paged_generic_range<DType, D, 8, kHqmqTailChunk, NW>(
-            p, s, h, g - j0 < 8 ? g - j0 : 8, m_end, it.t_end, it.comp, slot + j0 * (D + 2), s_q + j0 * D,
-            [&](int64_t pg, int r, int ln, float (&kx)[D / 32], float (&vx)[D / 32]) {
-              hqmq_load_row<D>(hp.k, pg, h, r, ln, kx);
-              hqmq_load_row<D>(hp.v, pg, h, r, ln, vx);
-            });
-    }
-    __syncthreads();
-    write_split_partial<D, NW>(ws, regions, sm.region, h * g, g, p.paged.max_items, (int)item);
+  const DType* qg = static_cast<const DType*>(p.q) + (s * p.Hq + h * g) * D;
+  for (int x = threadIdx.x; x < g * D; x += blockDim.x) s_q[x] = to_float(qg[x]);
+  // whole tiles of compressed tokens (t_begin is a multiple of the chunk step, hence of 32)
+  const int64_t c_end = it.t_end < it.comp ? it.t_end : it.comp;
+  const int64_t m_end = sm.mma && it.t_begin < c_end ? it.t_begin + (c_end - it.t_begin) / kTile * kTile : it.t_begin;
+  hqmq_cta_mma<DType, D, FMT>(paged_hqmq_view(hp), sm, hqmq_page_tiles(hp, s, h), s, h, g, it.t_begin, m_end, smem,
+                              region, s_q);
+  if (m_end < it.t_end) {  // uniform per CTA
+    for (int j0 = 0; j0 < g; j0 += 8)
+      paged_generic_range<DType, D, 8, kHqmqTailChunk, NW>(
+          p, s, h, g - j0 < 8 ? g - j0 : 8, m_end, it.t_end, it.comp, slot + j0 * (D + 2), s_q + j0 * D,
+          [&](int64_t pg, int r, int ln, float (&kx)[D / 32], float (&vx)[D / 32]) {
+            hqmq_load_row<D>(hp.k, pg, h, r, ln, kx);
+            hqmq_load_row<D>(hp.v, pg, h, r, ln, vx);
+          });
   }
+  __syncthreads();
+  const SplitWs ws(p.ws, p.Hq, p.paged.max_items, D);
+  write_split_partial<D, NW>(ws, regions, sm.region, h * g, g, p.paged.max_items, (int)item);
 }
 
 /// \brief The combine launch after a split kernel of this family.
@@ -482,11 +476,11 @@ cudaError_t LaunchPagedCombine(const DecodeAttnParams& p, cudaStream_t stream) {
                                        dim3(D / 4 > 32 ? D / 4 : 32), 0, stream, ws, work, out, lse, n, Hq, mi);
 }
 
-/// \brief A split kernel(args...) of grid (H, grid_y) (grid_y = max_items: one CTA per item;
-/// fewer: CTAs that loop over items), `threads` threads and `smem` bytes, then the combine.
+/// \brief A split kernel(args...) of grid (H, max_items), `threads` threads and `smem` bytes, then
+/// the combine.
 /// p.paged.work holds the plan; p.ws Hq * max_items * (D + 2) floats (16-byte aligned).
 template <typename DType, int D, typename Kernel, typename... Args>
-cudaError_t LaunchPagedSplitCombine(Kernel kernel, const DecodeAttnParams& p, size_t smem, int threads, int grid_y,
+cudaError_t LaunchPagedSplitCombine(Kernel kernel, const DecodeAttnParams& p, size_t smem, int threads,
                                     cudaStream_t stream, const Args&... args) {
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -494,7 +488,7 @@ cudaError_t LaunchPagedSplitCombine(Kernel kernel, const DecodeAttnParams& p, si
   }
   if (reinterpret_cast<uintptr_t>(p.ws) % 16 != 0) return cudaErrorMisalignedAddress;
   if (p.paged.max_items <= 0 || p.paged.max_items > 65535) return cudaErrorInvalidValue;
-  kernel<<<dim3((unsigned)p.H, (unsigned)grid_y), threads, smem, stream>>>(args...);
+  kernel<<<dim3((unsigned)p.H, (unsigned)p.paged.max_items), threads, smem, stream>>>(args...);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   return LaunchPagedCombine<DType, D>(p, stream);
@@ -505,31 +499,15 @@ template <typename DType, int D, int BITS, bool KPC, bool MMA, int NGV = 0, bool
 cudaError_t LaunchPagedDecodeAttention(const DecodeAttnParams& p, cudaStream_t stream) {
   const size_t smem = paged_decode_smem_bytes<DType, D, BITS, KPC, MMA, FPT>((int)(p.Hq / p.H));
   return LaunchPagedSplitCombine<DType, D>(PagedDecodeAttentionKernel<DType, D, BITS, KPC, MMA, NGV, FPT>, p, smem,
-                                           kWarps * 32, (int)p.paged.max_items, stream, p);
+                                           kWarps * 32, stream, p);
 }
 
 /// \brief HQMQ pages: split kernel (launch format FMT, shared memory sm = hqmq_smem_plan of
-/// paged_hqmq_view) over a grid of one wave (`ctas_per_sm` resident CTAs on each of `sms` SMs,
-/// split between the H heads), then the combine.
+/// paged_hqmq_view) + combine.
 template <typename DType, int D, int FMT>
-cudaError_t LaunchPagedHqmqAttention(const PagedHqmqParams& hp, const HqmqSmem& sm, int sms, cudaStream_t stream) {
-  auto kernel = PagedHqmqAttentionKernel<DType, D, FMT>;
-  if (sm.total > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sm.total);
-    if (e != cudaSuccess) return e;
-  }
-  static size_t cached_smem = 0;  // benign race: every thread computes the same value
-  static int cached_occ = 0;
-  int occ = cached_smem == sm.total ? cached_occ : 0;
-  if (occ == 0) {
-    cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, hqmq_warps(D) * 32, sm.total);
-    if (e != cudaSuccess) return e;
-    cached_smem = sm.total, cached_occ = occ;
-  }
-  const DecodeAttnParams& p = hp.base;
-  int64_t gy = (int64_t)(occ > 0 ? occ : 1) * sms / p.H;
-  gy = gy < 1 ? 1 : (gy > p.paged.max_items ? p.paged.max_items : gy);
-  return LaunchPagedSplitCombine<DType, D>(kernel, p, sm.total, hqmq_warps(D) * 32, (int)gy, stream, hp, sm);
+cudaError_t LaunchPagedHqmqAttention(const PagedHqmqParams& hp, const HqmqSmem& sm, cudaStream_t stream) {
+  return LaunchPagedSplitCombine<DType, D>(PagedHqmqAttentionKernel<DType, D, FMT>, hp.base, sm.total,
+                                           hqmq_warps(D) * 32, stream, hp, sm);
 }
 
 }  // namespace attention

@@ -117,14 +117,20 @@ KVQ_HOST_DEVICE int64_t paged_seq_items(int64_t len, int64_t comp, int64_t cc, i
   return (c + cc - 1) / cc + (f + cf - 1) / cf;
 }
 
-/// \brief Item j of a sequence: its token range [t0, t1).
+/// \brief Item j of a sequence: its token range [t0, t1).  The sequence's ceil(c / cc) compressed
+/// items split its c compressed tokens evenly (chunks of ceil(c / items) rounded up to
+/// kPagedChunkStep, never more than cc), likewise the full-precision ones (rounded up to
+/// kPagedFpStep): the items of a sequence do equal work.
 KVQ_HOST_DEVICE void paged_seq_item(int64_t len, int64_t comp, int64_t cc, int64_t cf, int64_t j, int64_t& t0,
                                            int64_t& t1) {
   const int64_t c = paged_comp_len(len, comp), nc = (c + cc - 1) / cc;
   if (j < nc) {
-    t0 = j * cc, t1 = t0 + cc < c ? t0 + cc : c;
+    const int64_t step = ((c + nc - 1) / nc + kPagedChunkStep - 1) / kPagedChunkStep * kPagedChunkStep;
+    t0 = j * step, t1 = t0 + step < c ? t0 + step : c;
   } else {
-    t0 = c + (j - nc) * cf, t1 = t0 + cf < len ? t0 + cf : len;
+    const int64_t f = len - c, nf = (f + cf - 1) / cf;
+    const int64_t step = ((f + nf - 1) / nf + kPagedFpStep - 1) / kPagedFpStep * kPagedFpStep;
+    t0 = c + (j - nc) * step, t1 = t0 + step < len ? t0 + step : len;
   }
 }
 
