@@ -1,6 +1,8 @@
 """End-to-end generate benchmark: peak GPU memory and decode tokens/s of
 ``model.generate`` with transformers' FP16 ``DynamicCache`` vs ``kvq.hf.QuantizedCache``
-for every preset, plus the largest batch that fits a fixed KV budget.
+for every preset, plus the largest batch that fits a fixed KV budget; with ``--static``, also
+the compileable caches (transformers' ``StaticCache``, ``kvq.hf.StaticQuantizedCache``), whose
+decode step generate compiles on CUDA.
 
 The model is a **Llama-3-8B-shaped** ``LlamaForCausalLM`` with **random weights and only
 ``--layers`` (default 4) of its 32 decoder layers** (hidden 4096, 32 query / 8 KV heads,
@@ -15,6 +17,7 @@ every step (prefill excluded).  Peak memory is ``torch.cuda.max_memory_allocated
 
     python bench/bench_e2e.py                                  # batch 8, prompt 16k, 256 new
     python bench/bench_e2e.py --presets fp16,kivi-2,gear-2 --out docs/bench_e2e.md
+    python bench/bench_e2e.py --presets kivi-2 --static kivi-2,hqmq-3.79 --prompt 4096 --new 128
     python bench/bench_e2e.py --tiny --device cpu              # smoke test without a GPU
 """
 from __future__ import annotations
@@ -72,7 +75,7 @@ def build_model(args, device, dtype):
 
 
 def cache_bytes(cache) -> int:
-    if isinstance(cache, kh.QuantizedCache):
+    if isinstance(cache, (kh.QuantizedCache, kh.StaticQuantizedCache)):
         return cache.nbytes
     n = 0
     for layer in cache.layers:
@@ -107,14 +110,27 @@ def allocated_bytes(obj) -> int:
     return total
 
 
-def run_one(model, ids, args, preset: Optional[str], device) -> Dict[str, float]:
-    from transformers import DynamicCache, LogitsProcessorList
+def make_cache(model, ids, args, name: str, preset: Optional[str]):
+    """The cache of one row: transformers' DynamicCache or StaticCache (FP16), kvq's
+    QuantizedCache or (rows named "static ...") StaticQuantizedCache.  Static caches are
+    compileable, so generate compiles their decode step on CUDA (CUDA graphs)."""
+    from transformers import DynamicCache, StaticCache
+    B, L = ids.shape
     if preset is None:
         model.set_attn_implementation("sdpa")
-        cache = DynamicCache()
-    else:
-        kh.enable(model)
-        cache = kh.QuantizedCache(kvq.get_config(preset), model.config)
+        if name.startswith("StaticCache"):
+            return StaticCache(config=model.config, max_cache_len=L + args.new)
+        return DynamicCache()
+    kh.enable(model)
+    if name.startswith("static "):
+        return kh.StaticQuantizedCache(preset, model.config, max_batch_size=B, max_cache_len=L + args.new)
+    return kh.QuantizedCache(kvq.get_config(preset), model.config)
+
+
+def run_one(model, ids, args, name: str, preset: Optional[str], device, cache=None) -> Dict[str, float]:
+    from transformers import LogitsProcessorList
+    if cache is None:
+        cache = make_cache(model, ids, args, name, preset)
     clock = StepClock(device)
     gc.collect()
     if device.type == "cuda":
@@ -165,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write the markdown to this file")
     p.add_argument("--json", default=None)
     p.add_argument("--tiny", action="store_true", help="tiny model/shapes (CPU smoke test)")
+    p.add_argument("--static", default="", help="comma list of presets also run on kvq.hf.StaticQuantizedCache "
+                   "(decode compiled by generate on CUDA), next to transformers' StaticCache")
     args = p.parse_args(argv)
     if args.tiny:
         args.layers, args.batch = min(args.layers, 2), min(args.batch, 2)
@@ -186,13 +204,26 @@ def main(argv=None) -> int:
 
     rows: Dict[str, Dict[str, float]] = {}
     errors: Dict[str, str] = {}
-    for name in ["DynamicCache (FP16)"] + [n for n in presets]:
-        preset = None if name.startswith("DynamicCache") else name
+    names = ["DynamicCache (FP16)"] + list(presets)
+    if args.static:
+        names += ["StaticCache (FP16, compiled)"] + [f"static {n}" for n in args.static.split(",")]
+    for name in names:
+        preset = None if name.endswith(")") else name.split(" ")[-1]
         try:
             wargs = argparse.Namespace(**{**vars(args), "new": 4})
-            for _ in range(args.warmup):
-                run_one(model, warm, wargs, preset, device)
-            rows[name] = run_one(model, ids, args, preset, device)
+            if name.startswith(("static ", "StaticCache")):
+                # one cache for the warm-up and the run, so the compiled decode step (whose
+                # guards hold the cache's tensors and shapes) is compiled in the warm-up
+                cache = make_cache(model, ids, args, name, preset)
+                for _ in range(max(1, args.warmup)):
+                    run_one(model, ids, wargs, name, preset, device, cache)
+                    cache.reset()
+                rows[name] = run_one(model, ids, args, name, preset, device, cache)
+                del cache
+            else:
+                for _ in range(args.warmup):
+                    run_one(model, warm, wargs, name, preset, device)
+                rows[name] = run_one(model, ids, args, name, preset, device)
             r = rows[name]
             print(f"[bench_e2e] {name}: prefill {r['prefill_s']:.2f}s, decode "
                   f"{r['decode_tok_s']:.1f} tok/s, peak {r['peak_bytes'] / GIB:.2f} GiB, "
