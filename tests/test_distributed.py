@@ -1,9 +1,10 @@
 """Tensor parallelism (gloo on CPU, 2 processes): each rank's cache holds only that rank's KV
 heads, attends on them, and never talks to the other rank.
 
-* transformers' ``tp_plan="auto"`` with ``kvq.hf.QuantizedCache``: generated tokens equal the
-  single-process run (fp16 preset: transformers' DynamicCache; kivi-4: the single-process kivi-4
-  cache) and each rank stores half the bytes.
+* transformers' ``tp_plan="auto"`` with ``kvq.hf.QuantizedCache`` and
+  ``kvq.hf.StaticQuantizedCache``: generated tokens equal the single-process run (fp16 preset:
+  transformers' DynamicCache; kivi-4: the single-process kivi-4 cache of the same class) and each
+  rank stores half the bytes.
 * ``kvq.PagedKVCache`` sharded by KV heads as an engine shards it (each rank its H / 2 heads and
   their query heads, the same block tables): each rank's outputs equal the single-process
   cache's outputs for those heads bit for bit, and its ``nbytes`` is half.
@@ -48,6 +49,12 @@ WORKER = textwrap.dedent(r"""
                                **{kh.cache_kwarg(model): cache})
         res[name] = {"tokens": g[:, ids.shape[1]:].tolist(), "nbytes": cache.nbytes,
                      "kv_heads": [l.key._shape[1] for l in cache.kv.layers]}
+    cache = kh.StaticQuantizedCache("kivi-4", model.config, max_batch_size=2, max_cache_len=200, page_size=32)
+    with torch.no_grad():
+        g = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                           min_new_tokens=12, do_sample=False, pad_token_id=0, **{kh.cache_kwarg(model): cache})
+    res["static kivi-4"] = {"tokens": g[:, ids.shape[1]:].tolist(), "nbytes": cache.nbytes,
+                            "kv_heads": cache.pool.num_kv_heads}
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
 """)
@@ -78,6 +85,8 @@ def test_tensor_parallel_generate_equals_single_process(tmp_path):
     ref["kivi-4"] = _gen(model, ids, single)
     fp_single = kh.QuantizedCache("fp16", model.config)
     assert _gen(model, ids, fp_single) == ref["fp16"]
+    static_single = kh.StaticQuantizedCache("kivi-4", model.config, max_batch_size=2, max_cache_len=200, page_size=32)
+    ref["static kivi-4"] = _gen(model, ids, static_single)
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -94,6 +103,10 @@ def test_tensor_parallel_generate_equals_single_process(tmp_path):
         assert r["kivi-4"]["kv_heads"] == [2, 2]  # 4 KV heads split over 2 ranks
         assert r["kivi-4"]["nbytes"] * 2 == single.nbytes
         assert r["fp16"]["nbytes"] * 2 == fp_single.nbytes
+        # StaticQuantizedCache: the pools take the rank's 2 local KV heads from its first update
+        assert r["static kivi-4"]["tokens"] == ref["static kivi-4"]
+        assert r["static kivi-4"]["kv_heads"] == 2
+        assert r["static kivi-4"]["nbytes"] * 2 == static_single.nbytes
 
 
 PAGED_WORKER = textwrap.dedent(r"""

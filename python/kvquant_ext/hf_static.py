@@ -125,7 +125,12 @@ class StaticQuantizedLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.parent._allocate(key_states.dtype, key_states.device)
+        p = self.parent
+        if p.pool is None and key_states.dim() == 4 and 0 < key_states.shape[1] < p.num_kv_heads and \
+                p.num_kv_heads % key_states.shape[1] == 0:
+            # a tensor-parallel rank: its attention holds an equal share of the KV heads
+            p.num_kv_heads = int(key_states.shape[1])
+        p._allocate(key_states.dtype, key_states.device)
 
     # -- update ------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
