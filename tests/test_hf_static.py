@@ -192,6 +192,47 @@ def test_generate_with_a_compressed_cache(model):
     assert torch.equal(gen(model, ids, cache, n, attention_mask=mask), out)  # reused after reset
 
 
+# ----------------------------------------------------------------------------- beam search / row selection
+def test_fp16_beam_search_equals_dynamic_cache(model):
+    """generate with num_beams reorders the rows every step (reorder_cache): fp16 beams are the
+    DynamicCache beams token for token."""
+    from transformers import DynamicCache
+    ids = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(7))
+    kw = dict(max_new_tokens=10, min_new_tokens=10, num_beams=3, do_sample=False, pad_token_id=0,
+              attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, **kw, **{kh.cache_kwarg(model): DynamicCache()})
+        out = model.generate(input_ids=ids, **kw, **{kh.cache_kwarg(model): static(model, "fp16", rows=6, max_len=64)})
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "hqmq-3.79"])
+def test_row_selection_equals_a_cache_of_the_selected_rows(model, preset):
+    """reorder_cache / batch_select_indices / batch_repeat_interleave after a left-padded prefill:
+    the cache then holds what a cache prefilled with the selected rows holds -- the same lengths
+    and bytes, and the same logits over 40 more decode steps, which compress pages."""
+    lengths = [70, 45, 58]
+    _, ids, mask = left_padded(lengths, seed=5)
+    new = lambda: static(model, preset, rows=6, max_len=128, page_size=32, recent_window=0)  # noqa: E731
+    for select, rows in ((lambda c: c.reorder_cache(torch.tensor([2, 0, 0])), [2, 0, 0]),
+                         (lambda c: c.batch_select_indices(torch.tensor([1])), [1]),
+                         (lambda c: c.batch_repeat_interleave(2), [0, 0, 1, 1, 2, 2])):
+        cache, ref = new(), new()
+        fwd(model, cache, ids, attention_mask=mask)
+        select(cache)
+        r = torch.tensor(rows)
+        got_tok = fwd(model, ref, ids[r], attention_mask=mask[r])[:, -1].argmax(-1, keepdim=True)
+        assert cache.layers[0].row_lengths() == [lengths[i] for i in rows]
+        assert cache.nbytes == ref.nbytes
+        for i in range(40):
+            pos = torch.tensor([lengths[j] for j in rows])[:, None] + i
+            got = fwd(model, cache, got_tok, position_ids=pos)[:, -1]
+            want = fwd(model, ref, got_tok, position_ids=pos)[:, -1]
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+            got_tok = want.argmax(-1, keepdim=True)
+        assert cache.nbytes == ref.nbytes
+
+
 # ----------------------------------------------------------------------------- several new tokens (eager)
 def test_several_token_step_fp16_equals_dynamic_cache(model):
     """A follow-up chunk after the prefill (row 1's chunk left-padded) and a decode step after it:
@@ -352,9 +393,14 @@ def test_bad_input_raises_clear_errors(model):
             fwd(model, cache, ids[:1, :1])
     finally:
         kh.enable(model)
-    cache = static(model, "kivi-2", rows=1)
-    with pytest.raises(NotImplementedError, match="beam search"):
-        cache.reorder_cache(torch.tensor([0]))
+    cache = static(model, "kivi-2", rows=2)
+    fwd(model, cache, ids[:2])
+    with pytest.raises(IndexError, match="beam_idx"):
+        cache.reorder_cache(torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="repeats"):
+        cache.batch_repeat_interleave(2)  # 4 rows > max_batch_size 2
+    with pytest.raises(NotImplementedError, match="crop"):
+        cache.crop(1)
     bad = static(model, "kivi-2", rows=1, device="cpu", dtype=torch.float32)
     k, v = bad.update(torch.full((1, 2, 3, 32), float("nan")), torch.zeros(1, 2, 3, 32), 0)
     with pytest.raises(ValueError, match="NaN"):  # checked when the prompt is stored

@@ -323,14 +323,56 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove) -> None:
         self._refuse("crop (assisted decoding)")
 
+    def _select_rows(self, index, name: str) -> None:
+        """Rows 0 .. n - 1 become copies of rows ``index`` ([n] ints in [0, rows)): their
+        compressed pages and full-precision ring (whole row blocks of the pools, so every row's
+        static page functions still hold) and lengths.  Eager (one host check of ``index``)."""
+        if not self.prefilled:
+            return
+        rows, lay, pg = self.parent.max_batch_size, self.layout, self.pages
+        index = torch.as_tensor(index, device=self.lens.device)
+        if index.dim() != 1 or index.dtype in (torch.bool,) or index.is_floating_point() or \
+                not 0 < index.numel() <= rows:
+            raise ValueError(f"argument '{name}' must be 1 to {rows} (max_batch_size) row indices, got "
+                             f"{tuple(index.shape)} {index.dtype}")
+        index = index.long()
+        lo, hi = int(index.min()), int(index.max())
+        if lo < 0 or hi >= self.batch:
+            raise IndexError(f"argument '{name}' indexes rows [{lo}, {hi}] of a batch of {self.batch}")
+        n = index.numel()
+
+        def pick(pool, per_row):
+            blocks = pool[1:1 + rows * per_row].view(rows, per_row, *pool.shape[1:])
+            blocks[:n] = blocks.index_select(0, index)
+
+        for t in (pg.k_fp, pg.v_fp):
+            pick(t, lay.ring)
+        if pg.comp is not None:
+            for role in ("k", "v"):
+                for t in pg.comp[role]:
+                    pick(t, lay.comp)
+        self.lens[:n] = self.lens.index_select(0, index)
+        self.batch = n
+        self.max_items = self.parent.pool.default_max_items(n)
+
     def reorder_cache(self, beam_idx) -> None:
-        self._refuse("reorder_cache (beam search)")
+        """Beam search: row b continues row ``beam_idx[b]`` (a copy of its pages and length)."""
+        self._select_rows(beam_idx, "beam_idx")
 
     def batch_select_indices(self, indices) -> None:
-        self._refuse("batch_select_indices")
+        """Keep rows ``indices`` (as rows 0 .. len - 1)."""
+        self._select_rows(indices, "indices")
 
     def batch_repeat_interleave(self, repeats) -> None:
-        self._refuse("batch_repeat_interleave")
+        """Row b becomes rows b·repeats .. b·repeats + repeats - 1 (at most max_batch_size)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
+            raise ValueError(f"argument 'repeats' must be a positive int, got {repeats!r}")
+        if self.prefilled:
+            if self.batch * repeats > self.parent.max_batch_size:
+                raise ValueError(f"argument 'repeats': {self.batch} rows x {repeats} exceed max_batch_size="
+                                 f"{self.parent.max_batch_size}")
+            idx = torch.arange(self.batch, device=self.lens.device).repeat_interleave(repeats)
+            self._select_rows(idx, "repeats")
 
     def offload(self):  # pragma: no cover - offloading is not supported
         pass
@@ -480,10 +522,13 @@ class StaticQuantizedCache(Cache):
         self.layers[0].crop(tokens_to_remove)
 
     def reorder_cache(self, beam_idx) -> None:
-        self.layers[0].reorder_cache(beam_idx)
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)
 
     def batch_select_indices(self, indices) -> None:
-        self.layers[0].batch_select_indices(indices)
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
 
     def batch_repeat_interleave(self, repeats) -> None:
-        self.layers[0].batch_repeat_interleave(repeats)
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
