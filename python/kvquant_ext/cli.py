@@ -33,6 +33,8 @@ import torch
 
 import kvquant_ext as kvq
 
+from ._hf_common import layer_kinds
+
 DEFAULT_PREFILL, DEFAULT_CONTINUATION, DEFAULT_GENERATE, DEFAULT_CHUNK = 512, 128, 32, 16
 WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
@@ -362,7 +364,7 @@ def compression_stats(kvs, config, prefill: int, chunk: int,
     """Stream the reference K/V (as float16) into a :class:`kvquant_ext.KVCache` the way the
     decode run does (prefill, then ``chunk`` tokens at a time) and measure bytes and
     relative reconstruction error over all layers.  ``kinds`` (per layer, from
-    :func:`kvquant_ext.hf._layer_kinds`): a ``("sliding", W)`` layer is stored as
+    :func:`kvquant_ext._hf_common.layer_kinds`): a ``("sliding", W)`` layer is stored as
     :class:`~kvquant_ext.hf.QuantizedCache` stores it, its last ``W - 1`` tokens in full
     precision, and counts with those tokens only, so that every preset, fp16 included, is
     measured on the cache the model needs."""
@@ -460,8 +462,7 @@ def prefix_only_cache(model, kvs, prefill: int, config):
     tokens added later stay in full precision.  Scoring through it measures what compressing
     only the prompt costs, next to the streaming run where every new token is compressed too."""
     from transformers import DynamicCache
-    from .hf import _layer_kinds
-    kinds = _layer_kinds(model.config)
+    kinds = layer_kinds(model.config)
     cache = DynamicCache(config=model.config)
     store = kvq.KVCache(config, len(kvs))
     for i, (k, v) in enumerate(kvs):
@@ -804,9 +805,8 @@ def _quality(args, model, ids, presets, results, skipped) -> float:
     """The quality task: every preset's scores into ``results`` (failures into ``skipped``);
     returns the uncompressed model's perplexity of the continuation."""
     P, C, N = args.prefill, args.continuation, args.generate
-    from .hf import _layer_kinds
     kvs = reference_kv(model, ids)
-    kinds = _layer_kinds(model.config)
+    kinds = layer_kinds(model.config)
     ref_lp, ref_ppl = reference_log_probs(model, ids, P, C, args.chunk, quiet=args.quiet)
     ref_tokens = reference_generate(model, ids, P, N) if N > 0 else None
     bar = _progress(presets, desc="presets", disable=args.quiet)

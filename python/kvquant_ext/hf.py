@@ -55,7 +55,7 @@ import copy
 
 import inspect
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
@@ -72,8 +72,10 @@ except ImportError:  # pragma: no cover - very old transformers
     AttentionMaskInterface = sdpa_mask = None
 
 from .attention import decode_attention, prefix_attention
+from ._hf_common import last_query_mask, layer_kinds
 from .cache import KVCache
 from .config import CompressionConfig, get_config
+from .hf_static import STATIC_ATTR, StaticQuantizedCache, StaticQuantizedLayer
 from .streams import FullPrecisionStream
 
 ATTN_NAME = "kvq"
@@ -364,24 +366,6 @@ class QuantizedLayer(CacheLayerMixin):
 
 
 # ----------------------------------------------------------------------------- cache
-def _layer_kinds(model_config) -> List[Tuple[str, Optional[int]]]:
-    text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") \
-        else model_config
-    n = int(text.num_hidden_layers)
-    window = getattr(text, "sliding_window", None)
-    types = getattr(text, "layer_types", None)
-    if types is None:
-        types = ["sliding_attention" if window else "full_attention"] * n
-    kinds = []
-    for t in types:
-        if t in ("sliding_attention", "chunked_attention"):
-            w = window if t == "sliding_attention" else getattr(text, "attention_chunk_size", None)
-            kinds.append(("sliding", w))
-        else:
-            kinds.append(("compressed", None))
-    return kinds
-
-
 class QuantizedCache(Cache):
     """A transformers ``Cache`` whose full-attention layers live in a compressed
     :class:`kvquant_ext.KVCache`; decode attention reads them through
@@ -407,13 +391,13 @@ class QuantizedCache(Cache):
             raise TypeError(f"argument 'config' must be a CompressionConfig or preset name, "
                             f"got {type(config).__name__}")
         self.config, self.compress_sliding = config, bool(compress_sliding)
-        n = None if model_config is None else len(_layer_kinds(model_config))
+        n = None if model_config is None else len(layer_kinds(model_config))
         self.kv = KVCache(config, n, check_finite=check_finite)
         self._warned = False
         self._record_past = False
         super().__init__(layers=[])
         if model_config is not None:
-            for i, (kind, window) in enumerate(_layer_kinds(model_config)):
+            for i, (kind, window) in enumerate(layer_kinds(model_config)):
                 if self.compress_sliding:
                     kind, window = "compressed", None
                 self.layers.append(QuantizedLayer(self, i, kind, window))
@@ -551,20 +535,6 @@ class QuantizedCache(Cache):
 
 
 # ----------------------------------------------------------------------------- attention
-def _decode_mask(attention_mask: Optional[torch.Tensor], T: int) -> Optional[torch.Tensor]:
-    """The model's mask for one query token → ``[B, T]`` bool (True = attend)."""
-    if attention_mask is None:
-        return None
-    m = attention_mask
-    if m.dim() == 4:
-        m = m[:, 0, -1, :]
-    elif m.dim() == 3:
-        m = m[:, -1, :]
-    if m.dtype != torch.bool:  # additive float mask: 0 attends, a large negative does not
-        m = m > torch.finfo(m.dtype).min / 2
-    return m[:, :T]
-
-
 def kvq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                           value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                           dropout: float = 0.0, scaling: Optional[float] = None,
@@ -595,7 +565,7 @@ def kvq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: tor
             if kwargs.get("softcap") is not None:
                 raise NotImplementedError("kvq decode attention does not support logit softcapping")
             T = key.shape[-2]
-            mask = _decode_mask(attention_mask, T)
+            mask = last_query_mask(attention_mask, T)
             out = decode_attention(query, layer.parent.kv, layer.layer_idx, scaling, attn_mask=mask)
             return out.transpose(1, 2).contiguous(), None
         if handle.prefix is not None:
@@ -651,4 +621,3 @@ def cache_kwarg(model) -> str:
 
 register()
 
-from .hf_static import STATIC_ATTR, StaticQuantizedCache, StaticQuantizedLayer  # noqa: E402

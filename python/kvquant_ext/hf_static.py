@@ -42,6 +42,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import _ops
+from ._hf_common import last_query_mask, layer_kinds
 from .config import CompressionConfig, FP16Config, GroupQuantBase, HQMQConfig, get_config
 from .paged import PagedKVCache
 
@@ -54,21 +55,6 @@ def _positive_int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise ValueError(f"argument '{name}' must be a positive int, got {v!r}")
     return v
-
-
-def _real_tokens(attention_mask: Optional[torch.Tensor], q: int) -> Optional[torch.Tensor]:
-    """``[B, q]`` bool of the tokens a prefill row really holds (its last query's mask row), or
-    None when the mask hides none."""
-    if attention_mask is None:
-        return None
-    m = attention_mask
-    if m.dim() == 4:
-        m = m[:, 0, -1, :]
-    elif m.dim() == 3:
-        m = m[:, -1, :]
-    if m.dtype != torch.bool:  # additive float mask: 0 attends, a large negative does not
-        m = m > torch.finfo(m.dtype).min / 2
-    return m[:, :q]
 
 
 class _Layout:
@@ -243,7 +229,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def _prefill_attention(self, module, query, key, value, attention_mask, **kw):
         k, v = self.pending
         q = k.shape[2]
-        self._store_prefill(k, v, _real_tokens(attention_mask, q))
+        self._store_prefill(k, v, last_query_mask(attention_mask, q))
         mask = None if attention_mask is None else attention_mask[..., :q]
         return sdpa_attention_forward(module, query, key, value, mask, **kw)
 
@@ -251,7 +237,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         """The real tokens of every row into the row's pages, page by page: round r writes logical
         page r of every row into its ring and compresses the page that leaves the window."""
         p, lay = self.parent, self.layout
-        P, W, dev = p.page_size, p.recent_window, self.device
+        P, dev = p.page_size, self.device
         B, _, q, _ = k.shape
         keep = torch.ones(B, q, dtype=torch.bool, device=dev) if real is None else real.to(dev)
         counts = keep.sum(1).tolist()
@@ -331,7 +317,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
             return
         rows, lay, pg = self.parent.max_batch_size, self.layout, self.pages
         index = torch.as_tensor(index, device=self.lens.device)
-        if index.dim() != 1 or index.dtype in (torch.bool,) or index.is_floating_point() or \
+        if index.dim() != 1 or index.dtype == torch.bool or index.is_floating_point() or \
                 not 0 < index.numel() <= rows:
             raise ValueError(f"argument '{name}' must be 1 to {rows} (max_batch_size) row indices, got "
                              f"{tuple(index.shape)} {index.dtype}")
@@ -411,7 +397,6 @@ class StaticQuantizedCache(Cache):
     def __init__(self, config, model_config, *, max_batch_size: int, max_cache_len: int, device=None,
                  dtype: Optional[torch.dtype] = None, check_finite: bool = True, page_size: int = 128,
                  recent_window: Optional[int] = None):
-        from .hf import _layer_kinds  # hf imports this module at its end
         if isinstance(config, str):
             config = get_config(config)
         if not isinstance(config, CompressionConfig):
@@ -426,7 +411,7 @@ class StaticQuantizedCache(Cache):
         if model_config is None or (not hasattr(model_config, "num_hidden_layers") and
                                     not hasattr(model_config, "get_text_config")):
             raise TypeError("argument 'model_config' must be the model's transformers config")
-        kinds = _layer_kinds(model_config)
+        kinds = layer_kinds(model_config)
         if any(kind != "compressed" for kind, _ in kinds):
             raise NotImplementedError("argument 'model_config' has sliding-window or chunked attention layers, "
                                       "which StaticQuantizedCache does not hold; use "
