@@ -233,6 +233,83 @@ def test_row_selection_equals_a_cache_of_the_selected_rows(model, preset):
         assert cache.nbytes == ref.nbytes
 
 
+# ----------------------------------------------------------------------------- crop (assisted decoding)
+def decode_tokens(model, cache, tok, start, n):
+    """n greedy decode steps from ``tok`` ([B, 1]) at positions start..: the last-position logits."""
+    out = []
+    for i in range(n):
+        logits = fwd(model, cache, tok, position_ids=torch.full_like(tok, start + i))[:, -1]
+        out.append(logits)
+        tok = logits.argmax(-1, keepdim=True)
+    return out
+
+
+@pytest.mark.parametrize("preset", ["kivi-2", "hqmq-3.79", "fp16"])
+@pytest.mark.parametrize("remove", [1, 19, 32])
+def test_crop_equals_a_cache_of_the_kept_tokens(model, preset, remove):
+    """Prefill 50 tokens, decode 40 (P = 32, no window: pages are compressed along the way), crop
+    ``remove`` of them (up to P, which crop always allows), decode 30 more: the lengths, bytes and
+    logits are those of a cache that saw only the kept tokens."""
+    ids = torch.randint(1, VOCAB, (2, 50), generator=torch.Generator().manual_seed(3))
+    drafts = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
+    new = lambda: static(model, preset, rows=2, max_len=160, page_size=32, recent_window=0)  # noqa: E731
+    cache, ref = new(), new()
+    for c, n in ((cache, 40), (ref, 40 - remove)):
+        fwd(model, c, ids)
+        for i in range(n):
+            fwd(model, c, drafts[:, i:i + 1], position_ids=torch.full((2, 1), 50 + i))
+    cache.crop(-remove)
+    assert cache.get_seq_length() == ref.get_seq_length() == 90 - remove
+    assert cache.layers[1].row_lengths() == ref.layers[1].row_lengths() == [90 - remove] * 2
+    assert cache.nbytes == ref.nbytes
+    tok = drafts[:, 40 - remove:41 - remove]
+    for got, want in zip(decode_tokens(model, cache, tok, 90 - remove, 30), decode_tokens(model, ref, tok, 90 - remove, 30)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert cache.nbytes == ref.nbytes
+
+
+def test_crop_past_the_ring_is_refused_and_changes_nothing(model):
+    """A crop whose pages' full-precision copies were overwritten names the most it can remove;
+    every layer is unchanged.  Removing every token of a row (or more) empties it."""
+    ids = torch.randint(1, VOCAB, (1, 200), generator=torch.Generator().manual_seed(5))
+    cache = static(model, "kivi-2", rows=1, max_len=256, page_size=32, recent_window=0)
+    fwd(model, cache, ids)
+    # ring R = 2 pages: 200 tokens hold pages 0..6, the ring pages 5 and 6 -> tokens from 160 on
+    with pytest.raises(ValueError, match=r"remove at most 40 tokens"):
+        cache.crop(-41)
+    assert [layer.row_lengths() for layer in cache.layers] == [[200], [200]] and cache.get_seq_length() == 200
+    cache.crop(-40)
+    assert cache.layers[0].row_lengths() == [160]
+    cache.crop(-500)
+    assert cache.get_seq_length() == 0 and cache.layers[0].row_lengths() == [0] and cache.nbytes == 0
+
+
+def _assistant():
+    a = tiny_model()
+    with torch.no_grad():  # a slightly different model: some drafts are rejected
+        for p in a.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return a
+
+
+@pytest.mark.parametrize("preset", ["fp16", "kivi-2"])
+def test_assisted_decoding_equals_greedy_with_the_same_cache(model, preset):
+    """Assisted decoding verifies the drafts and crops the rejected ones: its tokens are greedy
+    decoding's with the same kind of cache (fp16: DynamicCache's), and crops did happen."""
+    ids = torch.randint(1, VOCAB, (1, 40), generator=torch.Generator().manual_seed(6))
+    new = lambda: static(model, preset, rows=1, max_len=128, page_size=32, recent_window=0)  # noqa: E731
+    ref = gen(model, ids, DynamicCache() if preset == "fp16" else new(), n=40)
+    cache, crops = new(), []
+    real = kh.StaticQuantizedCache.crop
+    cache.crop = lambda n: (crops.append(n), real(cache, n))[1]
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=40,
+                             min_new_tokens=40, do_sample=False, pad_token_id=0, assistant_model=_assistant(),
+                             **{kh.cache_kwarg(model): cache})
+    assert torch.equal(out, ref)
+    assert any(n < 0 for n in crops)
+
+
 # ----------------------------------------------------------------------------- several new tokens (eager)
 def test_several_token_step_fp16_equals_dynamic_cache(model):
     """A follow-up chunk after the prefill (row 1's chunk left-padded) and a decode step after it:
@@ -399,8 +476,10 @@ def test_bad_input_raises_clear_errors(model):
         cache.reorder_cache(torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="repeats"):
         cache.batch_repeat_interleave(2)  # 4 rows > max_batch_size 2
-    with pytest.raises(NotImplementedError, match="crop"):
+    with pytest.raises(ValueError, match="positive value"):
         cache.crop(1)
+    with pytest.raises(TypeError, match="tokens_to_remove"):
+        cache.crop(-1.5)
     bad = static(model, "kivi-2", rows=1, device="cpu", dtype=torch.float32)
     k, v = bad.update(torch.full((1, 2, 3, 32), float("nan")), torch.zeros(1, 2, 3, 32), 0)
     with pytest.raises(ValueError, match="NaN"):  # checked when the prompt is stored

@@ -1,6 +1,6 @@
 """Pieces of the transformers integration shared by ``hf.QuantizedCache`` and
 ``hf_static.StaticQuantizedCache``: a model config's layer kinds and the mask row of the last
-query."""
+query, the count ``crop`` takes."""
 from __future__ import annotations
 
 from typing import List, Optional, Tuple
@@ -41,3 +41,13 @@ def last_query_mask(attention_mask: Optional[torch.Tensor], T: int) -> Optional[
     if m.dtype != torch.bool:  # additive float mask: 0 attends, a large negative does not
         m = m > torch.finfo(m.dtype).min / 2
     return m[:, :T]
+
+
+def crop_count(tokens_to_remove) -> int:
+    """``crop``'s argument as an int (transformers < 5.2x passes a 0-dim integer tensor)."""
+    if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.dim() == 0 and \
+            not tokens_to_remove.is_floating_point() and tokens_to_remove.dtype != torch.bool:
+        return int(tokens_to_remove)
+    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+        raise TypeError(f"argument 'tokens_to_remove' must be an int, got {type(tokens_to_remove).__name__}")
+    return tokens_to_remove

@@ -72,7 +72,7 @@ except ImportError:  # pragma: no cover - very old transformers
     AttentionMaskInterface = sdpa_mask = None
 
 from .attention import decode_attention, prefix_attention
-from ._hf_common import last_query_mask, layer_kinds
+from ._hf_common import crop_count, last_query_mask, layer_kinds
 from .cache import KVCache
 from .config import CompressionConfig, get_config
 from .hf_static import STATIC_ATTR, StaticQuantizedCache, StaticQuantizedLayer
@@ -98,16 +98,6 @@ class _Handle:
 def _tag(key: torch.Tensor, value: torch.Tensor, handle: _Handle):
     key._kvq_handle = handle  # plain Python attribute on the tensor object
     return key, value
-
-
-def _crop_count(tokens_to_remove) -> int:
-    """``crop``'s argument as an int (transformers < 5.2x passes a 0-dim integer tensor)."""
-    if isinstance(tokens_to_remove, torch.Tensor) and tokens_to_remove.dim() == 0 and \
-            not tokens_to_remove.is_floating_point() and tokens_to_remove.dtype != torch.bool:
-        return int(tokens_to_remove)
-    if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
-        raise TypeError(f"argument 'tokens_to_remove' must be an int, got {type(tokens_to_remove).__name__}")
-    return tokens_to_remove
 
 
 # ----------------------------------------------------------------------------- layers
@@ -281,7 +271,7 @@ class QuantizedLayer(CacheLayerMixin):
         """transformers' semantics: remove ``-tokens_to_remove`` newest tokens (0: nothing to
         do; a positive value is refused, as by ``DynamicLayer``).  Compressed layers follow
         :meth:`kvquant_ext.KVCache.crop` (a crop into a compressed block raises ``ValueError``)."""
-        tokens_to_remove = _crop_count(tokens_to_remove)
+        tokens_to_remove = crop_count(tokens_to_remove)
         self.append_unappended()
         if tokens_to_remove > 0:
             raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
@@ -415,7 +405,7 @@ class QuantizedCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """``QuantizedLayer.crop`` on every layer, after checking that every compressed layer
         allows it (a refused crop changes no layer)."""
-        tokens_to_remove = _crop_count(tokens_to_remove)
+        tokens_to_remove = crop_count(tokens_to_remove)
         self.append_unappended()
         if tokens_to_remove < 0:
             for layer in self.layers:

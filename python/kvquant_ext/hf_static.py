@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import _ops
-from ._hf_common import last_query_mask, layer_kinds
+from ._hf_common import crop_count as _crop_count, last_query_mask, layer_kinds
 from .config import CompressionConfig, FP16Config, GroupQuantBase, HQMQConfig, get_config
 from .paged import PagedKVCache
 
@@ -84,7 +84,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
     :meth:`get_seq_length` returns, as ``StaticLayer`` returns its ``cumulative_length``)."""
 
     is_compileable = True
-    is_croppable = False
+    is_croppable = True
     is_sliding = False
     supports_early_init = True
 
@@ -302,12 +302,47 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self.seen.zero_()
         self.pending, self.prefilled, self.batch = None, False, 0
 
-    def _refuse(self, what: str):
-        raise NotImplementedError(f"StaticQuantizedCache does not support {what}; use "
-                                  "kvquant_ext.hf.QuantizedCache")
+    def crop_plan(self, tokens_to_remove: int) -> Optional[list]:
+        """The rows' lengths after removing their ``-tokens_to_remove`` newest tokens (None: nothing
+        to do), or ``ValueError`` where a row cannot be put back (changes nothing).
+
+        A row's pages are a function of its length, so a crop sets the length back; the tokens
+        of pages that become full precision again must still be in the row's ring of ``R`` pages,
+        i.e. no page ``R`` or more past them has been started.  With ``R = W/P + 2`` that holds
+        for any crop of up to P tokens (and for every crop of a full-precision layer, whose ring
+        never wraps); the kept tokens then hold exactly the pages they alone would have built."""
+        n = -tokens_to_remove
+        if n == 0 or not self.prefilled:
+            return None
+        lens = self.row_lengths()
+        new = [max(L - n, 0) for L in lens]
+        if self.pages.compressed:
+            P, W, R = self.parent.page_size, self.parent.recent_window, self.layout.ring
+            for b, (L, L2) in enumerate(zip(lens, new)):
+                oldest = -(-L // P) - R  # oldest logical page still in the row's ring
+                if L2 and self.parent.pool._comp_pages_at(L2) < oldest:
+                    keep = W + oldest * P
+                    raise ValueError(f"argument 'tokens_to_remove' ({tokens_to_remove}): row {b} of layer "
+                                     f"{self.layer_idx} holds {L} tokens, and its tokens before {keep} are "
+                                     f"compressed with their full-precision copies overwritten; remove at most "
+                                     f"{L - keep} tokens (the page size {P} always can be), or all {L}")
+        return new
 
     def crop(self, tokens_to_remove) -> None:
-        self._refuse("crop (assisted decoding)")
+        """transformers' semantics: remove the ``-tokens_to_remove`` newest tokens of the padded
+        timeline from every row (a row shorter than that is emptied; a positive value is refused,
+        as by ``DynamicLayer``).  Rules and errors: :meth:`crop_plan`.  Eager (reads the lengths)."""
+        tokens_to_remove = _crop_count(tokens_to_remove)
+        if tokens_to_remove > 0:
+            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                             "Please use a negative integer to remove that number of tokens from the cache instead.")
+        self._apply_crop(tokens_to_remove, self.crop_plan(tokens_to_remove))
+
+    def _apply_crop(self, tokens_to_remove: int, new: Optional[list]) -> None:
+        if new is None:
+            return
+        self.lens[:self.batch] = torch.tensor(new, dtype=torch.int32, device=self.lens.device)
+        self.seen.sub_(min(-tokens_to_remove, int(self.seen)))
 
     def _select_rows(self, index, name: str) -> None:
         """Rows 0 .. n - 1 become copies of rows ``index`` ([n] ints in [0, rows)): their
@@ -504,7 +539,15 @@ class StaticQuantizedCache(Cache):
         return 0 if self.pool is None else self.pool.capacity_bytes
 
     def crop(self, tokens_to_remove) -> None:
-        self.layers[0].crop(tokens_to_remove)
+        """Remove the ``-tokens_to_remove`` newest tokens (assisted decoding, prompt lookup):
+        :meth:`StaticQuantizedLayer.crop` on every layer, after every layer's check passed (a
+        refused crop changes no layer)."""
+        tokens_to_remove = _crop_count(tokens_to_remove)
+        if tokens_to_remove > 0:
+            self.layers[0].crop(tokens_to_remove)  # raises as DynamicLayer does
+        plans = [layer.crop_plan(tokens_to_remove) for layer in self.layers]
+        for layer, new in zip(self.layers, plans):
+            layer._apply_crop(tokens_to_remove, new)
 
     def reorder_cache(self, beam_idx) -> None:
         for layer in self.layers:
