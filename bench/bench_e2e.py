@@ -1,24 +1,26 @@
-"""End-to-end generate benchmark: peak GPU memory and decode tokens/s of
-``model.generate`` with transformers' FP16 ``DynamicCache`` vs ``kvq.hf.QuantizedCache``
-for every preset, plus the largest batch that fits a fixed KV budget; with ``--static``, also
-the compileable caches (transformers' ``StaticCache``, ``kvq.hf.StaticQuantizedCache``), whose
-decode step generate compiles on CUDA.
+"""End-to-end generate benchmark: a matrix of batch sizes x prompt lengths, every cache in the
+same run, each decode step next to its bytes floor.
 
-The model is a **Llama-3-8B-shaped** ``LlamaForCausalLM`` with **random weights and only
-``--layers`` (default 4) of its 32 decoder layers** (hidden 4096, 32 query / 8 KV heads,
-head dim 128, MLP 14336, vocab 128256): weights do not change the kernels that run, and a
-few layers keep the run short.  Memory and KV bytes are measured on those layers; the
-"max batch" column scales the measured KV bytes/token to the full 32 layers.
+Caches (rows): transformers' FP16 ``DynamicCache`` (eager SDPA) and ``StaticCache`` (decode
+compiled by generate: CUDA graphs), ``kvq.hf.QuantizedCache`` (eager) for ``--presets`` and
+``kvq.hf.StaticQuantizedCache`` (compiled by generate) for ``--static``.
 
-Decode tokens/s = batch x (new tokens - 1) / (time from the first to the last generated
-token), timed inside ``generate`` by a logits processor that synchronises the device at
-every step (prefill excluded).  Peak memory is ``torch.cuda.max_memory_allocated`` during
-``generate`` (weights included; the weights alone are listed in the header).
+The model is a **Llama-3-8B-shaped** ``LlamaForCausalLM`` with random weights (hidden 4096,
+32 query / 8 KV heads, head dim 128, MLP 14336, vocab 128256) and ``--layers`` (default all
+32) decoder layers: weights do not change the kernels that run.
 
-    python bench/bench_e2e.py                                  # batch 8, prompt 16k, 256 new
-    python bench/bench_e2e.py --presets fp16,kivi-2,gear-2 --out docs/bench_e2e.md
-    python bench/bench_e2e.py --presets kivi-2 --static kivi-2,hqmq-3.79 --prompt 4096 --new 128
-    python bench/bench_e2e.py --tiny --device cpu              # smoke test without a GPU
+Per row: prefill s; ms/step and tokens/s of the decode steps (timed inside ``generate`` by a
+logits processor that synchronises the device at every step; prefill excluded); the floor =
+(weights a step reads + the cache's stored bytes) / the device-to-device copy rate measured in
+the same run; peak memory during the prefill, steady memory at the last decode step (weights
+included) and its slack over weights + the cache's allocated bytes; and the largest batch of
+``--context`` tokens that fits ``--mem-gib`` of GPU memory during decode: (memory - weights) /
+(the cache's bytes per sequence at that context + the decode working set per row, both as
+measured), i.e. prefilled one sequence at a time as a server would.
+
+    python bench/bench_e2e.py                                   # B 1,8,32 x 4k,16k; every preset
+    python bench/bench_e2e.py --batch 8,32 --prompt 16384 --presets kivi-2 --static kivi-2,hqmq-3.79
+    python bench/bench_e2e.py --tiny --device cpu               # smoke test without a GPU
 """
 from __future__ import annotations
 
@@ -39,15 +41,22 @@ GIB = 1024 ** 3
 
 
 class StepClock:
-    """LogitsProcessor recording a (synchronised) timestamp at every generation step."""
+    """LogitsProcessor recording a (synchronised) timestamp at every generation step, the peak
+    memory of the prefill (at the first step) and the memory held at the last step."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.times: List[float] = []
+        self.prefill_peak = self.steady = 0
 
     def __call__(self, input_ids, scores):
-        if self.device.type == "cuda":
+        cuda = self.device.type == "cuda"
+        if cuda:
             torch.cuda.synchronize(self.device)
+            if not self.times:
+                self.prefill_peak = torch.cuda.max_memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self.steady = torch.cuda.memory_allocated(self.device)
         self.times.append(time.perf_counter())
         return scores
 
@@ -137,12 +146,15 @@ def run_one(model, ids, args, name: str, preset: Optional[str], device, cache=No
         torch.cuda.empty_cache()
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    extra = {}
+    if preset is None and args.fp16_prefill_chunk and ids.numel() > args.fp16_prefill_chunk:
+        extra["prefill_chunk_size"] = max(1, args.fp16_prefill_chunk // ids.shape[0])
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False,
                              pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
-                             **{kh.cache_kwarg(model): cache})
+                             **{kh.cache_kwarg(model): cache}, **extra)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t1 = time.perf_counter()
@@ -155,38 +167,159 @@ def run_one(model, ids, args, name: str, preset: Optional[str], device, cache=No
     tokens = B * (P + args.new - 1)  # the last generated token is never written to the cache
     res = {"prefill_s": clock.times[0] - t0, "total_s": t1 - t0,
            "decode_tok_s": B * (steps - 1) / decode_s if decode_s > 0 else float("nan"),
+           "ms_per_step": 1e3 * decode_s / (steps - 1) if steps > 1 else float("nan"),
+           "prefill_chunk": extra.get("prefill_chunk_size", 0),
+           "prefill_peak_bytes": clock.prefill_peak, "steady_bytes": clock.steady,
            "kv_bytes": nbytes, "kv_alloc_bytes": alloc,
            "kv_bytes_per_token_layer": nbytes / tokens / args.layers,
            "bits_per_element": 8.0 * nbytes / (tokens * args.layers * 2 * model.config.num_key_value_heads
                                                * model.config.head_dim),
-           "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
+           "decode_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0}
     del cache, out
     return res
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy rate (bytes read + written per second) of a 1 GiB buffer."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(GIB // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(20):
+        dst.copy_(src)
+    b.record()
+    torch.cuda.synchronize(device)
+    rate = 20 * 2 * src.numel() / (a.elapsed_time(b) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return rate
+
+
+def step_weight_bytes(model) -> int:
+    """Weights one decode step reads: every parameter but the input embedding table (a step
+    reads B of its rows; the LM head is read whole)."""
+    emb = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
+
+
+def forget_compiled(model) -> None:
+    """Drop generate's compiled decode step and its CUDA graphs (their memory pool), so that
+    the next row starts from the same memory."""
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def bench_cell(model, args, device, B: int, L: int, names: List[str], log) -> Dict[str, Dict[str, float]]:
+    """Every cache of ``names`` at batch B, prompt L: {name: result or {"error": ...}}."""
+    ids = torch.randint(0, model.config.vocab_size, (B, L), device=device)
+    warm = ids[:, :min(L, 512)]
+    rows: Dict[str, Dict[str, float]] = {}
+    for name in names:
+        preset = None if name.endswith(")") else name.split(" ")[-1]
+        cell = argparse.Namespace(**{**vars(args), "batch": B, "prompt": L})
+        wargs = argparse.Namespace(**{**vars(cell), "new": 4})
+        try:
+            if name.startswith(("static ", "StaticCache")):
+                # one cache for the warm-up and the run, so the compiled decode step (whose
+                # guards hold the cache's tensors and shapes) is compiled in the warm-up
+                cache = make_cache(model, ids, cell, name, preset)
+                for _ in range(max(1, args.warmup)):
+                    run_one(model, ids, wargs, name, preset, device, cache)
+                    cache.reset()
+                rows[name] = run_one(model, ids, cell, name, preset, device, cache)
+                del cache
+            else:
+                for _ in range(args.warmup):
+                    run_one(model, warm, wargs, name, preset, device)
+                rows[name] = run_one(model, ids, cell, name, preset, device)
+            r = rows[name]
+            log(f"B={B} L={L} {name}: prefill {r['prefill_s']:.2f}s, {r['ms_per_step']:.2f} ms/step, "
+                f"prefill peak {r['prefill_peak_bytes'] / GIB:.2f} GiB, steady {r['steady_bytes'] / GIB:.2f} GiB, "
+                f"KV {r['kv_bytes'] / GIB:.3f} GiB")
+        except Exception as e:  # OOM or a failing op: report and go on
+            rows[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+            log(f"B={B} L={L} {name}: FAILED {rows[name]['error']}")
+        finally:
+            forget_compiled(model)
+    return rows
+
+
+def table(results, args, weights: int, step_w: int, copy_bw: float) -> List[str]:
+    """The markdown table of every cell."""
+    lines = ["| B | prompt | cache | bits/elem | KV GiB stored / alloc | prefill s | prefill peak GiB | "
+             "steady GiB (slack) | ms/step | floor ms | × floor | tok/s | vs best FP16 | "
+             f"max batch @ {args.context // 1024}k, {args.mem_gib:g} GiB |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    budget = args.mem_gib * GIB - weights
+    for key, rows in results.items():
+        B, L = (int(x) for x in key.split("x"))
+        fp16 = [r["ms_per_step"] for n, r in rows.items() if n.endswith("(FP16)") or n.startswith("StaticCache")
+                if "error" not in r]
+        best = min(fp16) if fp16 else None
+        for name, r in rows.items():
+            if "error" in r:
+                lines.append(f"| {B} | {L} | {name} | failed: {r['error']} |||||||||||")
+                continue
+            floor = 1e3 * (step_w + r["kv_bytes"]) / copy_bw
+            slack = r["steady_bytes"] - weights - r["kv_alloc_bytes"]
+            per_seq = r["kv_bytes_per_token_layer"] * args.layers * args.context
+            work = max(0.0, slack) / B
+            maxb = int(budget // (per_seq + work)) if per_seq + work > 0 else 0
+            vs = f"{best / r['ms_per_step']:.2f}×" if best else ""
+            chunk = f" (prefill chunks of {r['prefill_chunk']})" if r.get("prefill_chunk") else ""
+            lines.append(
+                f"| {B} | {L} | {name}{chunk} | {r['bits_per_element']:.2f} | {r['kv_bytes'] / GIB:.3f} / "
+                f"{r['kv_alloc_bytes'] / GIB:.3f} | {r['prefill_s']:.2f} | {r['prefill_peak_bytes'] / GIB:.1f} | "
+                f"{r['steady_bytes'] / GIB:.2f} ({100 * slack / max(1, r['kv_alloc_bytes'] + weights):+.1f} %) | "
+                f"{r['ms_per_step']:.2f} | {floor:.2f} | {r['ms_per_step'] / floor:.2f} | "
+                f"{r['decode_tok_s']:.0f} | {vs} | {maxb} |")
+    return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=4, help="decoder layers of the 32 (default 4)")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt", type=int, default=16384)
-    p.add_argument("--new", type=int, default=256, help="generated tokens")
-    p.add_argument("--presets", default="all", help="comma list or 'all' (kvq.PRESETS at run time)")
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32, the whole model)")
+    p.add_argument("--batch", default="1,8,32", help="comma list of batch sizes")
+    p.add_argument("--prompt", default="4096,16384", help="comma list of prompt lengths")
+    p.add_argument("--new", type=int, default=128, help="generated tokens")
+    p.add_argument("--presets", default="all", help="kvq.hf.QuantizedCache rows (eager): comma list, 'all' "
+                   "(kvq.PRESETS) or 'none'")
+    p.add_argument("--static", default="", help="kvq.hf.StaticQuantizedCache rows (decode compiled by generate "
+                   "on CUDA): comma list of presets")
+    p.add_argument("--fp16", default="dynamic,static", help="FP16 rows: 'dynamic' (DynamicCache), 'static' "
+                   "(StaticCache, compiled), both or 'none'")
+    p.add_argument("--fp16-prefill-chunk", type=int, default=131072,
+                   help="FP16 rows prefill in chunks of this many tokens over the batch (generate's "
+                   "prefill_chunk_size), so that a full-precision prefill's activations fit next to its "
+                   "cache; 0: one pass")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--device", default="cuda")
-    p.add_argument("--kv-budget-gib", type=float, default=64.0,
-                   help="KV budget for the max-batch column, full 32-layer model (default 64)")
-    p.add_argument("--full-layers", type=int, default=32)
-    p.add_argument("--warmup", type=int, default=1, help="short warm-up generates per preset")
+    p.add_argument("--mem-gib", type=float, default=80.0, help="GPU memory of the max-batch column (default 80)")
+    p.add_argument("--context", type=int, default=32768, help="context of the max-batch column (default 32768)")
+    p.add_argument("--warmup", type=int, default=1, help="short warm-up generates per row")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="write the results here (after every cell)")
     p.add_argument("--tiny", action="store_true", help="tiny model/shapes (CPU smoke test)")
-    p.add_argument("--static", default="", help="comma list of presets also run on kvq.hf.StaticQuantizedCache "
-                   "(decode compiled by generate on CUDA), next to transformers' StaticCache")
     args = p.parse_args(argv)
+    try:
+        batches = [int(x) for x in args.batch.split(",")]
+        prompts = [int(x) for x in args.prompt.split(",")]
+    except ValueError:
+        p.error("--batch and --prompt take comma lists of ints")
     if args.tiny:
-        args.layers, args.batch = min(args.layers, 2), min(args.batch, 2)
-        args.prompt, args.new = min(args.prompt, 300), min(args.new, 8)
+        args.layers = min(args.layers, 2)
+        batches, prompts = [min(b, 2) for b in batches][:1], [min(x, 300) for x in prompts][:1]
+        args.new = min(args.new, 8)
+    args.prompt = max(prompts)  # build_model sizes the positions by it
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device (use --tiny --device cpu for a smoke test)")
@@ -194,85 +327,54 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
 
     from kvquant_ext.cli import select_presets
-    presets = select_presets(args.presets)
+    presets = [] if args.presets == "none" else list(select_presets(args.presets))
+    if args.presets != "all" and "fp16" not in args.presets.split(","):
+        presets.remove("fp16")  # the FP16 rows are transformers' own caches (--fp16)
+    fp16 = [] if args.fp16 == "none" else args.fp16.split(",")
+    names = (["DynamicCache (FP16)"] if "dynamic" in fp16 else []) + \
+        (["StaticCache (FP16, compiled)"] if "static" in fp16 else []) + presets + \
+        [f"static {n}" for n in args.static.split(",") if n]
     import transformers
     torch.manual_seed(0)
+    copy_bw = copy_bandwidth(device)
     model = build_model(args, device, dtype)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device=device)
-    warm = ids[:, :min(args.prompt, 512)]
+    step_w = step_weight_bytes(model)
 
-    rows: Dict[str, Dict[str, float]] = {}
-    errors: Dict[str, str] = {}
-    names = ["DynamicCache (FP16)"] + list(presets)
-    if args.static:
-        names += ["StaticCache (FP16, compiled)"] + [f"static {n}" for n in args.static.split(",")]
-    for name in names:
-        preset = None if name.endswith(")") else name.split(" ")[-1]
-        try:
-            wargs = argparse.Namespace(**{**vars(args), "new": 4})
-            if name.startswith(("static ", "StaticCache")):
-                # one cache for the warm-up and the run, so the compiled decode step (whose
-                # guards hold the cache's tensors and shapes) is compiled in the warm-up
-                cache = make_cache(model, ids, args, name, preset)
-                for _ in range(max(1, args.warmup)):
-                    run_one(model, ids, wargs, name, preset, device, cache)
-                    cache.reset()
-                rows[name] = run_one(model, ids, args, name, preset, device, cache)
-                del cache
-            else:
-                for _ in range(args.warmup):
-                    run_one(model, warm, wargs, name, preset, device)
-                rows[name] = run_one(model, ids, args, name, preset, device)
-            r = rows[name]
-            print(f"[bench_e2e] {name}: prefill {r['prefill_s']:.2f}s, decode "
-                  f"{r['decode_tok_s']:.1f} tok/s, peak {r['peak_bytes'] / GIB:.2f} GiB, "
-                  f"KV {r['kv_bytes'] / GIB:.3f} GiB", file=sys.stderr, flush=True)
-        except Exception as e:  # OOM or a failing op: report and go on
-            errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            print(f"[bench_e2e] {name}: FAILED {errors[name]}", file=sys.stderr, flush=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+    def log(msg):
+        print(f"[bench_e2e] {msg}", file=sys.stderr, flush=True)
 
-    base = rows.get("DynamicCache (FP16)")
-    budget = args.kv_budget_gib * GIB
-    seq = args.prompt + args.new
+    log(f"copy {copy_bw / 1e12:.2f} TB/s, weights {weights / GIB:.2f} GiB ({step_w / GIB:.2f} GiB read per step)")
+    results: Dict[str, Dict[str, Dict[str, float]]] = {}
+    for L in prompts:
+        for B in batches:
+            results[f"{B}x{L}"] = bench_cell(model, args, device, B, L, names, log)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"args": vars(args), "copy_bytes_per_s": copy_bw, "weights_bytes": weights,
+                               "step_weight_bytes": step_w, "cells": results}, f, indent=2)
     cfg = model.config
     lines = [
-        f"## End-to-end generate: {'tiny smoke-test' if args.tiny else 'Llama-3-8B-shaped'} model, random weights, {args.layers} of 32 layers",
+        f"## End-to-end generate: {'tiny smoke-test' if args.tiny else 'Llama-3-8B-shaped'} model, random "
+        f"weights, {args.layers} layers",
         "",
-        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; torch "
-        f"{torch.__version__}, transformers {transformers.__version__}; {args.dtype}; batch "
-        f"{args.batch}, prompt {args.prompt}, {args.new} new tokens (greedy); hidden "
-        f"{cfg.hidden_size}, {cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads, "
-        f"head dim {cfg.head_dim}; weights {weights / GIB:.2f} GiB.  KV stored = every byte the cache "
-        f"counts (nbytes); allocated = the capacity of its buffers. Decode tok/s excludes prefill. "
-        f"Max batch: sequences of {seq} tokens whose KV fits {args.kv_budget_gib:g} GiB for the "
-        f"full {args.full_layers}-layer model, from the measured KV bytes/token.",
+        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}; {args.dtype}; {args.new} new tokens (greedy); hidden "
+        f"{cfg.hidden_size}, {cfg.num_attention_heads} query / {cfg.num_key_value_heads} KV heads, head dim "
+        f"{cfg.head_dim}; weights {weights / GIB:.2f} GiB ({step_w / GIB:.2f} GiB read per step); copy "
+        f"{copy_bw / 1e12:.2f} TB/s.  Floor = (weights read + KV stored) / copy rate.  Steady = memory at the "
+        f"last decode step; slack = steady − weights − the cache's allocated bytes, relative to their sum.",
         "",
-        "| cache | bits/elem | KV bytes/token/layer | KV GiB (stored) | KV GiB (allocated) | peak GiB | "
-        "prefill s | decode tok/s | vs FP16 | max batch @ budget |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *table(results, args, weights, step_w, copy_bw),
     ]
-    for name, r in rows.items():
-        per_seq = r["kv_bytes_per_token_layer"] * args.full_layers * seq
-        speed = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}×" if base else ""
-        lines.append(f"| {name} | {r['bits_per_element']:.2f} | {r['kv_bytes_per_token_layer']:.0f} | "
-                     f"{r['kv_bytes'] / GIB:.3f} | {r['kv_alloc_bytes'] / GIB:.3f} | "
-                     f"{r['peak_bytes'] / GIB:.2f} | {r['prefill_s']:.2f} | "
-                     f"{r['decode_tok_s']:.1f} | {speed} | {int(budget // per_seq)} |")
-    for name, err in errors.items():
-        lines.append(f"| {name} | failed: {err} | | | | | | | | |")
     md = "\n".join(lines)
     print(md)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(md + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "errors": errors}, f, indent=2)
-    return 0 if base is not None else 1
+    ok = all("error" not in r for rows in results.values() for r in rows.values())
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

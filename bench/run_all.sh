@@ -18,7 +18,7 @@
 #                            the C++ binaries bench_group_quant / bench_decode_attention, when
 #                            built (cmake -DKVQ_BUILD_BENCH=ON, or -DKVQ_KERNELS_ONLY=ON): looked
 #                            for in --bin DIR, else build/*/bench, build-*/bench, build/bench
-# --quick: B in {1, 8}, L in {4k, 32k}, the e2e run at 2 layers, 32 new tokens, 4k prompt.
+# --quick: B in {1, 8}, L in {4k, 32k}, the e2e run at 2 layers, B 1 and 8, 32 new tokens, 4k prompt.
 # OUTDIR/env.txt records the GPU, driver, torch and transformers versions and the commit.
 # A failing benchmark does not stop the others; the exit status is non-zero if any failed.
 set -uo pipefail
@@ -67,10 +67,10 @@ step() {  # step NAME COMMAND...: run, tee to OUT/NAME.log, remember failures
 
 if [ "$quick" -eq 1 ]; then
   sweep=(--batch 1 8 --len 4096 32768)
-  e2e=(--layers 2 --prompt 4096 --new 32)
+  e2e=(--layers 2 --batch 1,8 --prompt 4096 --new 32)
 else
   sweep=()
-  e2e=()
+  e2e=(--presets kivi-2,gear-2,hqmq-3.79 --static kivi-2,hqmq-3.79)
 fi
 step decode_attention "$PY" "$here/bench_decode_attention.py" "${sweep[@]}" --out "$OUT/decode_attention.md"
 step decode_attention_stream "$PY" "$here/bench_decode_attention.py" --batch 8 --len 32768 \
