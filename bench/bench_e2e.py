@@ -217,11 +217,12 @@ def forget_compiled(model) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_cell(model, args, device, B: int, L: int, names: List[str], log) -> Dict[str, Dict[str, float]]:
-    """Every cache of ``names`` at batch B, prompt L: {name: result or {"error": ...}}."""
+def bench_cell(model, args, device, B: int, L: int, names: List[str], log, rows: Dict[str, Dict[str, float]],
+               saved) -> None:
+    """Every cache of ``names`` at batch B, prompt L into ``rows``: {name: result or {"error": ...}};
+    ``saved()`` after each row."""
     ids = torch.randint(0, model.config.vocab_size, (B, L), device=device)
     warm = ids[:, :min(L, 512)]
-    rows: Dict[str, Dict[str, float]] = {}
     for name in names:
         preset = None if name.endswith(")") else name.split(" ")[-1]
         cell = argparse.Namespace(**{**vars(args), "batch": B, "prompt": L})
@@ -249,7 +250,7 @@ def bench_cell(model, args, device, B: int, L: int, names: List[str], log) -> Di
             log(f"B={B} L={L} {name}: FAILED {rows[name]['error']}")
         finally:
             forget_compiled(model)
-    return rows
+            saved()
 
 
 def table(results, args, weights: int, step_w: int, copy_bw: float) -> List[str]:
@@ -307,7 +308,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=32768, help="context of the max-batch column (default 32768)")
     p.add_argument("--warmup", type=int, default=1, help="short warm-up generates per row")
     p.add_argument("--out", default=None, help="also write the markdown to this file")
-    p.add_argument("--json", default=None, help="write the results here (after every cell)")
+    p.add_argument("--json", default=None, help="write the results here (after every row)")
     p.add_argument("--tiny", action="store_true", help="tiny model/shapes (CPU smoke test)")
     args = p.parse_args(argv)
     try:
@@ -328,7 +329,7 @@ def main(argv=None) -> int:
 
     from kvquant_ext.cli import select_presets
     presets = [] if args.presets == "none" else list(select_presets(args.presets))
-    if args.presets != "all" and "fp16" not in args.presets.split(","):
+    if args.presets not in ("all", "none") and "fp16" not in args.presets.split(","):
         presets.remove("fp16")  # the FP16 rows are transformers' own caches (--fp16)
     fp16 = [] if args.fp16 == "none" else args.fp16.split(",")
     names = (["DynamicCache (FP16)"] if "dynamic" in fp16 else []) + \
@@ -346,13 +347,16 @@ def main(argv=None) -> int:
 
     log(f"copy {copy_bw / 1e12:.2f} TB/s, weights {weights / GIB:.2f} GiB ({step_w / GIB:.2f} GiB read per step)")
     results: Dict[str, Dict[str, Dict[str, float]]] = {}
+
+    def saved():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "copy_bytes_per_s": copy_bw, "weights_bytes": weights,
+                           "step_weight_bytes": step_w, "cells": results}, f, indent=2)
+
     for L in prompts:
         for B in batches:
-            results[f"{B}x{L}"] = bench_cell(model, args, device, B, L, names, log)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"args": vars(args), "copy_bytes_per_s": copy_bw, "weights_bytes": weights,
-                               "step_weight_bytes": step_w, "cells": results}, f, indent=2)
+            bench_cell(model, args, device, B, L, names, log, results.setdefault(f"{B}x{L}", {}), saved)
     cfg = model.config
     lines = [
         f"## End-to-end generate: {'tiny smoke-test' if args.tiny else 'Llama-3-8B-shaped'} model, random "
