@@ -1,7 +1,8 @@
 """End-to-end generate benchmark: a matrix of batch sizes x prompt lengths, every cache in the
 same run, each decode step next to its bytes floor.
 
-Caches (rows): transformers' FP16 ``DynamicCache`` (eager SDPA) and ``StaticCache`` (decode
+Caches (rows): transformers' FP16 ``DynamicCache`` (eager SDPA; also with SDPA's cuDNN backend
+excluded, which on Hopper re-plans for every new key length) and ``StaticCache`` (decode
 compiled by generate: CUDA graphs), ``kvq.hf.QuantizedCache`` (eager) for ``--presets`` and
 ``kvq.hf.StaticQuantizedCache`` (compiled by generate) for ``--static``.
 
@@ -25,6 +26,7 @@ measured), i.e. prefilled one sequence at a time as a server would.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -217,6 +219,23 @@ def forget_compiled(model) -> None:
         torch.cuda.empty_cache()
 
 
+def run_row(model, ids, warm, args, cell, wargs, name: str, preset: Optional[str], device, rows) -> None:
+    """Warm up and measure one row into ``rows[name]``."""
+    if name.startswith(("static ", "StaticCache")):
+        # one cache for the warm-up and the run, so the compiled decode step (whose
+        # guards hold the cache's tensors and shapes) is compiled in the warm-up
+        cache = make_cache(model, ids, cell, name, preset)
+        for _ in range(max(1, args.warmup)):
+            run_one(model, ids, wargs, name, preset, device, cache)
+            cache.reset()
+        rows[name] = run_one(model, ids, cell, name, preset, device, cache)
+        del cache
+    else:
+        for _ in range(args.warmup):
+            run_one(model, warm, wargs, name, preset, device)
+        rows[name] = run_one(model, ids, cell, name, preset, device)
+
+
 def bench_cell(model, args, device, B: int, L: int, names: List[str], log, rows: Dict[str, Dict[str, float]],
                saved) -> None:
     """Every cache of ``names`` at batch B, prompt L into ``rows``: {name: result or {"error": ...}};
@@ -228,19 +247,12 @@ def bench_cell(model, args, device, B: int, L: int, names: List[str], log, rows:
         cell = argparse.Namespace(**{**vars(args), "batch": B, "prompt": L})
         wargs = argparse.Namespace(**{**vars(cell), "new": 4})
         try:
-            if name.startswith(("static ", "StaticCache")):
-                # one cache for the warm-up and the run, so the compiled decode step (whose
-                # guards hold the cache's tensors and shapes) is compiled in the warm-up
-                cache = make_cache(model, ids, cell, name, preset)
-                for _ in range(max(1, args.warmup)):
-                    run_one(model, ids, wargs, name, preset, device, cache)
-                    cache.reset()
-                rows[name] = run_one(model, ids, cell, name, preset, device, cache)
-                del cache
-            else:
-                for _ in range(args.warmup):
-                    run_one(model, warm, wargs, name, preset, device)
-                rows[name] = run_one(model, ids, cell, name, preset, device)
+            ctx = contextlib.nullcontext()
+            if name.endswith("without cuDNN)"):
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+                ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+            with ctx:
+                run_row(model, ids, warm, args, cell, wargs, name, preset, device, rows)
             r = rows[name]
             log(f"B={B} L={L} {name}: prefill {r['prefill_s']:.2f}s, {r['ms_per_step']:.2f} ms/step, "
                 f"prefill peak {r['prefill_peak_bytes'] / GIB:.2f} GiB, steady {r['steady_bytes'] / GIB:.2f} GiB, "
@@ -262,7 +274,7 @@ def table(results, args, weights: int, step_w: int, copy_bw: float) -> List[str]
     budget = args.mem_gib * GIB - weights
     for key, rows in results.items():
         B, L = (int(x) for x in key.split("x"))
-        fp16 = [r["ms_per_step"] for n, r in rows.items() if n.endswith("(FP16)") or n.startswith("StaticCache")
+        fp16 = [r["ms_per_step"] for n, r in rows.items() if "FP16" in n
                 if "error" not in r]
         best = min(fp16) if fp16 else None
         for name, r in rows.items():
@@ -296,8 +308,10 @@ def main(argv=None) -> int:
                    "(kvq.PRESETS) or 'none'")
     p.add_argument("--static", default="", help="kvq.hf.StaticQuantizedCache rows (decode compiled by generate "
                    "on CUDA): comma list of presets")
-    p.add_argument("--fp16", default="dynamic,static", help="FP16 rows: 'dynamic' (DynamicCache), 'static' "
-                   "(StaticCache, compiled), both or 'none'")
+    p.add_argument("--fp16", default="dynamic,dynamic-nocudnn,static",
+                   help="FP16 rows, a comma list: 'dynamic' (DynamicCache, SDPA as torch dispatches it), "
+                   "'dynamic-nocudnn' (DynamicCache, SDPA with its cuDNN backend excluded: on Hopper it "
+                   "builds a new plan for every new key length), 'static' (StaticCache, compiled); or 'none'")
     p.add_argument("--fp16-prefill-chunk", type=int, default=131072,
                    help="FP16 rows prefill in chunks of this many tokens over the batch (generate's "
                    "prefill_chunk_size), so that a full-precision prefill's activations fit next to its "
@@ -332,7 +346,10 @@ def main(argv=None) -> int:
     if args.presets not in ("all", "none") and "fp16" not in args.presets.split(","):
         presets.remove("fp16")  # the FP16 rows are transformers' own caches (--fp16)
     fp16 = [] if args.fp16 == "none" else args.fp16.split(",")
+    if set(fp16) - {"dynamic", "dynamic-nocudnn", "static"}:
+        p.error(f"--fp16 {args.fp16!r}: expected a comma list of dynamic, dynamic-nocudnn, static, or none")
     names = (["DynamicCache (FP16)"] if "dynamic" in fp16 else []) + \
+        (["DynamicCache (FP16, SDPA without cuDNN)"] if "dynamic-nocudnn" in fp16 else []) + \
         (["StaticCache (FP16, compiled)"] if "static" in fp16 else []) + presets + \
         [f"static {n}" for n in args.static.split(",") if n]
     import transformers

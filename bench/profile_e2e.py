@@ -1,7 +1,7 @@
 """Where a decode step of ``model.generate`` spends its time: torch.profiler over the decode
 steps (prefill and the first step excluded) of the model of ``bench_e2e.py``, for
 transformers' ``DynamicCache`` with SDPA (as ``generate`` calls it, with its all-ones
-attention mask, and without a mask), ``StaticCache`` with SDPA, and ``kvq`` presets.
+attention mask, without a mask, and with SDPA's cuDNN backend excluded), ``StaticCache`` with SDPA, and ``kvq`` presets.
 
 For each cache: wall ms per step (synchronised), then the top CUDA kernels by GPU time and
 the top CPU operators by self CPU time, each per step.
@@ -12,6 +12,7 @@ the top CPU operators by self CPU time, each per step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -62,7 +63,11 @@ def profile_one(model, ids, args, kind: str, device):
         kw = {kh.cache_kwarg(model): cache}
         if mask is not None:
             kw["attention_mask"] = mask
-        with torch.no_grad():
+        ctx = contextlib.nullcontext()
+        if kind.endswith("without cuDNN"):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        with torch.no_grad(), ctx:
             model.generate(input_ids=ids, max_new_tokens=args.steps + 3, min_new_tokens=args.steps + 3,
                            do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]), **kw)
     t = clock.times
@@ -95,7 +100,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=16384)
     p.add_argument("--steps", type=int, default=8, help="decode steps recorded")
     p.add_argument("--presets", default="kivi-2", help="comma list of kvq presets ('' for none)")
-    p.add_argument("--baselines", default="DynamicCache,DynamicCache no mask,StaticCache")
+    p.add_argument("--baselines", default="DynamicCache,DynamicCache no mask,DynamicCache without cuDNN,StaticCache")
     p.add_argument("--rows", type=int, default=12)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny model (CPU smoke test)")
