@@ -208,6 +208,15 @@ def step_weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not emb)
 
 
+def sdpa_backends(cudnn: bool = True):
+    """A context for SDPA's backends: all of them, or all but cuDNN (which on Hopper builds a
+    new plan for every new key length, i.e. at every decode step of a growing cache)."""
+    if cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def forget_compiled(model) -> None:
     """Drop generate's compiled decode step and its CUDA graphs (their memory pool), so that
     the next row starts from the same memory."""
@@ -247,11 +256,7 @@ def bench_cell(model, args, device, B: int, L: int, names: List[str], log, rows:
         cell = argparse.Namespace(**{**vars(args), "batch": B, "prompt": L})
         wargs = argparse.Namespace(**{**vars(cell), "new": 4})
         try:
-            ctx = contextlib.nullcontext()
-            if name.endswith("without cuDNN)"):
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-                ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-            with ctx:
+            with sdpa_backends(cudnn=not name.endswith("without cuDNN)")):
                 run_row(model, ids, warm, args, cell, wargs, name, preset, device, rows)
             r = rows[name]
             log(f"B={B} L={L} {name}: prefill {r['prefill_s']:.2f}s, {r['ms_per_step']:.2f} ms/step, "

@@ -12,7 +12,6 @@ the top CPU operators by self CPU time, each per step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
 import time
@@ -22,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import kvquant_ext as kvq  # noqa: E402
 import kvquant_ext.hf as kh  # noqa: E402
-from bench_e2e import build_model  # noqa: E402
+from bench_e2e import build_model, sdpa_backends  # noqa: E402
 
 
 class ProfStep:
@@ -63,11 +62,7 @@ def profile_one(model, ids, args, kind: str, device):
         kw = {kh.cache_kwarg(model): cache}
         if mask is not None:
             kw["attention_mask"] = mask
-        ctx = contextlib.nullcontext()
-        if kind.endswith("without cuDNN"):
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            ctx = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-        with torch.no_grad(), ctx:
+        with torch.no_grad(), sdpa_backends(cudnn=not kind.endswith("without cuDNN")):
             model.generate(input_ids=ids, max_new_tokens=args.steps + 3, min_new_tokens=args.steps + 3,
                            do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]), **kw)
     t = clock.times
