@@ -38,6 +38,7 @@ import torch
 
 import kvquant_ext as kvq
 import kvquant_ext.hf as kh
+from kvquant_ext.attention import sdpa_without_cudnn
 
 GIB = 1024 ** 3
 
@@ -209,12 +210,9 @@ def step_weight_bytes(model) -> int:
 
 
 def sdpa_backends(cudnn: bool = True):
-    """A context for SDPA's backends: all of them, or all but cuDNN (which on Hopper builds a
-    new plan for every new key length, i.e. at every decode step of a growing cache)."""
-    if cudnn:
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    """A context for SDPA's backends on CUDA: all of them, or all but cuDNN (which on Hopper
+    builds a new plan for every new key length, i.e. at every decode step of a growing cache)."""
+    return contextlib.nullcontext() if cudnn else sdpa_without_cudnn(torch.device("cuda"))
 
 
 def forget_compiled(model) -> None:

@@ -8,6 +8,7 @@ layers use ``scaled_dot_product_attention``; KCVT-backbone GEAR layers dequantiz
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Optional
@@ -189,12 +190,23 @@ def _aligned16(t: torch.Tensor, ndims: int) -> bool:
     return t.data_ptr() % 16 == 0 and all((t.stride(d) * e) % 16 == 0 for d in range(ndims))
 
 
+def sdpa_without_cudnn(device: torch.device):
+    """A context in which SDPA on ``device`` avoids its cuDNN backend.  On CUDA, cuDNN builds an
+    execution plan for every new shape (≈ 12 ms of host time on an H200), and a growing cache
+    gives every decode step a new key length; flash / memory-efficient attention plan nothing."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _sdpa(q, K, V, scale, attn_mask, gqa):
-    """SDPA of q ``[B, Hq, D]`` over K, V ``[B, H, T, D]``; a fully masked row gives zeros
-    (as the fused op), not NaN."""
+    """SDPA of q ``[B, Hq, D]`` over K, V ``[B, H, T, D]`` (cuDNN excluded: the key length
+    changes every step); a fully masked row gives zeros (as the fused op), not NaN."""
     mask = None if attn_mask is None else attn_mask[:, None, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q.unsqueeze(2), K, V, attn_mask=mask, scale=scale, enable_gqa=gqa).squeeze(2)
+    with sdpa_without_cudnn(q.device):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2), K, V, attn_mask=mask, scale=scale, enable_gqa=gqa).squeeze(2)
     if attn_mask is not None:
         out = torch.where(attn_mask.any(dim=1)[:, None, None], out, torch.zeros_like(out))
     return out
@@ -268,8 +280,9 @@ def prefix_attention(q: torch.Tensor, cache, layer_idx: int, key: torch.Tensor, 
         V = torch.cat([vst.dequantize_range(0, P), value.to(kst.dtype)], dim=2)
         full = torch.cat([torch.ones(t, P, dtype=torch.bool, device=q.device), causal], dim=1)
         full = full.expand(B, t, P + t) if mask is None else full & mask
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.to(kst.dtype), K, V, attn_mask=full[:, None], scale=scale, enable_gqa=g > 1)
+        with sdpa_without_cudnn(q.device):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q.to(kst.dtype), K, V, attn_mask=full[:, None], scale=scale, enable_gqa=g > 1)
         return torch.where(full.any(-1)[:, None, :, None], out, torch.zeros_like(out)).to(q.dtype)
 
     # fp32 online softmax; query heads grouped by KV head: rows [B, H, g * t]
