@@ -14,6 +14,7 @@ import warnings
 from typing import Optional
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import _ops
 from ._build_config import DTYPES_TEXT, MMA_HEAD_DIMS
@@ -196,7 +197,6 @@ def sdpa_without_cudnn(device: torch.device):
     gives every decode step a new key length; flash / memory-efficient attention plan nothing."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
