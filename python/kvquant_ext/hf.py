@@ -306,9 +306,11 @@ class QuantizedLayer(CacheLayerMixin):
             return True
         return self.parent.kv.crop_is_exact(self.layer_idx)
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """A sliding layer keeps tokens past its window until the next ``crop`` (so that crop
-        can roll it back); compressed layers keep every token anyway."""
+        can roll it back); compressed layers keep every token anyway.  ``kwargs`` (transformers
+        passes ``recurrent_states_to_keep`` for recurrent layers) do not apply to attention
+        layers."""
         self.record_past = True
 
     @property
@@ -414,8 +416,9 @@ class QuantizedCache(Cache):
                     self.kv._crop_plan(tokens_to_remove, layer.layer_idx)
         super().crop(tokens_to_remove)
 
-    def activate_past_recording(self) -> None:
-        """Sliding layers, including those created later, keep the tokens a ``crop`` may need."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """Sliding layers, including those created later, keep the tokens a ``crop`` may need
+        (``kwargs``: as transformers' ``Cache.activate_past_recording``; none applies here)."""
         self._record_past = True
         for layer in self.layers:
             layer.activate_past_recording()
