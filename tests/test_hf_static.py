@@ -338,24 +338,76 @@ def test_several_token_step_fp16_equals_dynamic_cache(model):
     assert cache.layers[0].row_lengths() == [20 + 5 + 1, 13 + 3 + 1]
 
 
-def test_several_token_step_equals_decoding_them_one_by_one(model):
-    """kivi-2: a chunk of 8 tokens (a page compressed inside it) gives the logits and the pages of
-    8 decode steps."""
-    lengths = [60, 45]
-    _, ids, mask = left_padded(lengths, seed=10)
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
-    chunk = torch.randint(1, VOCAB, (2, 8), generator=torch.Generator().manual_seed(11))
-    chunk_pos = torch.tensor(lengths)[:, None] + torch.arange(8)
-    caches = [static(model, "kivi-2", rows=2, max_len=80, page_size=32, recent_window=32) for _ in range(2)]
-    for c in caches:
-        fwd(model, c, ids, attention_mask=mask, position_ids=pos)
-    got = fwd(model, caches[0], chunk, position_ids=chunk_pos)
-    want = torch.cat([fwd(model, caches[1], chunk[:, i:i + 1], position_ids=chunk_pos[:, i:i + 1]) for i in range(8)], 1)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert caches[0].nbytes == caches[1].nbytes and caches[0].layers[1].row_lengths() == [68, 53]
+@pytest.mark.parametrize("preset,window", [("kivi-2", 32), ("int4-per-token", 0), ("hqmq-3.79", 32),
+                                            ("hqmq-3.79-paper", 0), ("fp16", 0)])
+@pytest.mark.parametrize("T", [8, 70])
+def test_several_token_step_equals_decoding_them_one_by_one(model, preset, window, T):
+    """A chunk of T new tokens on a batch (row 1's chunk left-padded by 3) gives each row the
+    logits of decoding its real tokens one by one, and stores the same pages: pages that leave
+    the window inside the chunk (T = 70 > 2 pages of 32: the ring wraps, and with no window the
+    chunk's own pages compress) are seen compressed by the later queries exactly as the decode
+    steps see them; padding is not stored."""
+    lengths, pad = [60, 45], [0, 3]
+    prompts, ids, mask = left_padded(lengths, seed=10)
+    chunk = torch.randint(1, VOCAB, (2, T), generator=torch.Generator().manual_seed(11))
+    chunk_mask = torch.ones_like(chunk)
+    chunk_mask[1, :pad[1]] = 0
+    chunk_pos = torch.stack([(n + torch.arange(T) - d).clamp(min=0) for n, d in zip(lengths, pad)])
+    full = torch.cat([mask, chunk_mask], 1)
+    new = lambda rows: static(model, preset, rows=rows, max_len=136, page_size=32, recent_window=window)  # noqa: E731
+    cache = new(2)
+    fwd(model, cache, ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
+    got = fwd(model, cache, chunk, attention_mask=full, position_ids=chunk_pos)
+    assert cache.layers[1].row_lengths() == [n + T - d for n, d in zip(lengths, pad)]
+    for b, (prompt, d) in enumerate(zip(prompts, pad)):
+        ref = new(1)
+        fwd(model, ref, prompt[None])
+        want = torch.cat([fwd(model, ref, chunk[b:b + 1, i:i + 1], position_ids=chunk_pos[b:b + 1, i:i + 1])
+                          for i in range(d, T)], 1)
+        torch.testing.assert_close(got[b:b + 1, d:], want, rtol=1e-4, atol=1e-4)
+        # row b's compressed pages of layer 0 hold the same tokens, compressed alike (its keys and
+        # values come from the embeddings alone: equal in both runs up to the projection's
+        # rounding, which may move an fp16 scale by an ulp or, rarely, a code by one step)
+        a, r = cache.layers[0], ref.layers[0]
+        c = max(0, lengths[b] + T - d - window) // 32
+        if a.pages.comp is not None and c:
+            J = a.layout.comp
+            for x, y in zip(*([t for role in ("k", "v") for t in lay.pages.comp[role]] for lay in (a, r))):
+                x, y = x[1 + b * J:1 + b * J + c], y[1:1 + c]
+                if x.is_floating_point():
+                    torch.testing.assert_close(x, y, rtol=2e-3, atol=1e-4)
+                else:
+                    assert (x != y).float().mean() <= 0.01
     tok = torch.tensor([[5], [9]])
-    torch.testing.assert_close(fwd(model, caches[0], tok, position_ids=chunk_pos[:, -1:] + 1),
-                               fwd(model, caches[1], tok, position_ids=chunk_pos[:, -1:] + 1), rtol=1e-5, atol=1e-5)
+    step_mask = torch.cat([full, torch.ones(2, 1, dtype=full.dtype)], 1)
+    after = fwd(model, cache, tok, attention_mask=step_mask, position_ids=chunk_pos[:, -1:] + 1)
+    assert torch.isfinite(after).all()
+
+
+@pytest.mark.parametrize("preset", ["fp16", "kivi-2"])
+def test_generate_with_chunked_prefill(model, preset):
+    """generate's chunked prefill (prefill_chunk_size): the chunks after the first are several-token
+    steps on the stored pages.  fp16: DynamicCache's tokens; kivi-2: the tokens of the same chunks
+    and greedy steps run by hand."""
+    ids = torch.randint(1, VOCAB, (1, 50), generator=torch.Generator().manual_seed(3))
+    new = lambda: static(model, preset, rows=1, max_len=80, page_size=32, recent_window=32)  # noqa: E731
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20,
+                             min_new_tokens=20, do_sample=False, pad_token_id=0, prefill_chunk_size=16,
+                             **{kh.cache_kwarg(model): new()})
+    if preset == "fp16":
+        assert torch.equal(out, gen(model, ids, DynamicCache(), n=20))
+        return
+    cache, seq = new(), ids
+    for a in range(0, 50, 16):
+        logits = fwd(model, cache, ids[:, a:a + 16], position_ids=torch.arange(a, min(50, a + 16))[None])
+    for i in range(20):
+        tok = logits[:, -1:].argmax(-1)
+        seq = torch.cat([seq, tok], 1)
+        if i < 19:  # generate never feeds its last token
+            logits = fwd(model, cache, tok, position_ids=torch.tensor([[50 + i]]))
+    assert torch.equal(out, seq)
+    assert cache.layers[0].row_lengths() == [69]
 
 
 # ----------------------------------------------------------------------------- torch.compile

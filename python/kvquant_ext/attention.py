@@ -285,24 +285,7 @@ def prefix_attention(q: torch.Tensor, cache, layer_idx: int, key: torch.Tensor, 
                 q.to(kst.dtype), K, V, attn_mask=full[:, None], scale=scale, enable_gqa=g > 1)
         return torch.where(full.any(-1)[:, None, :, None], out, torch.zeros_like(out)).to(q.dtype)
 
-    # fp32 online softmax; query heads grouped by KV head: rows [B, H, g * t]
-    qf = q.float().reshape(B, H, g * t, D) * scale
-    m_run = torch.full((B, H, g * t), float("-inf"), device=q.device)
-    l_run = torch.zeros((B, H, g * t), device=q.device)
-    acc = torch.zeros((B, H, g * t, D), device=q.device)
-
-    def merge(K, V, allowed):  # allowed: [B or 1, t, n] bool
-        nonlocal m_run, l_run, acc
-        s = qf @ K.float().transpose(-1, -2)  # [B, H, g*t, n]
-        s = s.view(B, H, g, t, -1).masked_fill(~allowed[:, None, None], float("-inf")).view(B, H, g * t, -1)
-        m_new = torch.maximum(m_run, s.amax(-1))
-        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = torch.exp(s - safe[..., None])
-        corr = torch.exp(m_run - safe)
-        l_run = l_run * corr + p.sum(-1)
-        acc = acc * corr[..., None] + p @ V.float()
-        m_run = m_new
-
+    acc = OnlineSoftmax(q, H, scale)
     a = 0
     while a < P:
         b = min(a + chunk_size, P)
@@ -312,8 +295,44 @@ def prefix_attention(q: torch.Tensor, cache, layer_idx: int, key: torch.Tensor, 
                 break
             b = min(c, P)
         allowed = torch.ones(1, t, b - a, dtype=torch.bool, device=q.device) if mask is None else mask[:, :, a:b]
-        merge(kst.dequantize_range(a, b), vst.dequantize_range(a, b), allowed)
+        acc.add(kst.dequantize_range(a, b), vst.dequantize_range(a, b), allowed)
         a = b
-    merge(key, value, causal[None] if mask is None else causal[None] & mask[:, :, P:])
-    out = torch.where(l_run[..., None] > 0, acc / l_run.clamp_min(1e-30)[..., None], torch.zeros_like(acc))
-    return out.reshape(B, Hq, t, D).to(q.dtype)
+    acc.add(key, value, causal[None] if mask is None else causal[None] & mask[:, :, P:])
+    return acc.result(q.dtype)
+
+
+class OnlineSoftmax:
+    """softmax(q·Kᵀ·scale)·V over keys that arrive in chunks, in fp32: a running max, softmax
+    denominator and weighted sum of values per query, merged chunk by chunk, so that no chunk
+    outlives its merge.  ``q [B, Hq, t, D]``, its query heads grouped by KV head (``Hq = H·g``);
+    a query that was allowed no key gives zeros."""
+
+    def __init__(self, q: torch.Tensor, num_kv_heads: int, scale: float):
+        B, Hq, t, D = q.shape
+        H = num_kv_heads
+        self.dims = (B, H, Hq // H, t)
+        self.q = q.float().reshape(B, H, Hq // H * t, D) * scale
+        self.m = torch.full((B, H, Hq // H * t), float("-inf"), device=q.device)
+        self.l = torch.zeros((B, H, Hq // H * t), device=q.device)
+        self.acc = torch.zeros((B, H, Hq // H * t, D), device=q.device)
+
+    def add(self, K: torch.Tensor, V: torch.Tensor, allowed: torch.Tensor) -> None:
+        """Keys and values ``[B, H, n, D]``; ``allowed``: bool broadcastable to ``[B, t, n]``
+        (True: the query sees the key).  Values of keys no query is allowed must be finite."""
+        B, H, g, t = self.dims
+        s = self.q @ K.float().transpose(-1, -2)  # [B, H, g*t, n]
+        s = s.view(B, H, g, t, -1).masked_fill(~allowed[:, None, None], float("-inf")).view(B, H, g * t, -1)
+        m_new = torch.maximum(self.m, s.amax(-1))
+        safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = torch.exp(s - safe[..., None])
+        corr = torch.exp(self.m - safe)
+        self.l = self.l * corr + p.sum(-1)
+        self.acc = self.acc * corr[..., None] + p @ V.float()
+        self.m = m_new
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        """``[B, Hq, t, D]`` in ``dtype``."""
+        B, H, g, t = self.dims
+        out = torch.where(self.l[..., None] > 0, self.acc / self.l.clamp_min(1e-30)[..., None],
+                          torch.zeros_like(self.acc))
+        return out.reshape(B, H * g, t, -1).to(dtype)

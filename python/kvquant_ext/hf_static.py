@@ -31,7 +31,10 @@ the fresh tokens with SDPA.  Decode steps return the layer's persistent pool ten
 carry the layer as an attribute set once at allocation: the ``"kvq"`` attention function finds
 the layer through it (torch.compile traces that lookup through the tensor's source) and attends
 over each row's own tokens, ignoring the model's mask.  Several new tokens after the prefill
-(eager only) are appended and attended one at a time, as decode steps would.
+(chunked prefill, draft verification, a follow-up prompt; eager only) attend to the stored pages
+read page by page (compressed pages decoded chunk by chunk, never the whole past at once) and to
+each other in full precision, merged by an online softmax, and are then stored P at a time by
+the decode step's rule.
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from . import _ops
 from ._hf_common import crop_count as _crop_count, last_query_mask, layer_kinds
+from .attention import OnlineSoftmax
 from .config import CompressionConfig, FP16Config, GroupQuantBase, HQMQConfig, get_config
 from .paged import PagedKVCache
 
@@ -157,29 +161,35 @@ class StaticQuantizedLayer(CacheLayerMixin):
             self.pending = (key_states, value_states)
             setattr(key_states, STATIC_ATTR, self)
             return key_states, value_states
-        self._append_step(key_states[:, :, 0].contiguous(), value_states[:, :, 0].contiguous())
+        self._append_tokens(key_states, value_states)
         return self.pages.k_fp, self.pages.v_fp
 
-    def _append_step(self, k: torch.Tensor, v: torch.Tensor, real: Optional[torch.Tensor] = None) -> None:
-        """One token per row (``k, v [B, H, D]``) at the row's own position; device ops only.
-        A token past max_cache_len, or of a row where ``real`` (bool ``[B]``) is False, goes to
-        the scratch page and the row's length stays."""
-        p, lay, B = self.parent, self.layout, self.batch
+    def _append_tokens(self, k: torch.Tensor, v: torch.Tensor, real: Optional[torch.Tensor] = None) -> None:
+        """Up to P new tokens per row (``k, v [B, H, t, D]``, t <= P), each row's after its own
+        length; device ops only, fixed shapes.  A token where ``real`` (bool ``[B, t]``) is False,
+        or past max_cache_len, is not stored (slot -1) and does not count.  With t <= P at most one
+        page per row leaves the recent window, so one (src, dst) pair per row suffices (scratch
+        page 0 -> 0 for the rows with none); the ring (W/P + 2 pages) still holds that page, since
+        the tokens land on the row's current page and the next one."""
+        p, lay = self.parent, self.layout
+        B, H, t, D = k.shape
         P, W = p.page_size, p.recent_window
-        pos = self.lens[:B].to(torch.int64)
-        ok = pos < p.max_cache_len
-        if real is not None:
-            ok = ok & real
-        slot = torch.where(ok, (lay.fp_base[:B] + (pos // P) % lay.ring) * P + pos % P, 0)
+        lens = self.lens[:B].to(torch.int64)
+        keep = torch.ones(B, t, dtype=torch.bool, device=k.device) if real is None else real
+        pos = lens[:, None] + keep.cumsum(1) - 1         # each kept token's position in its row
+        keep = keep & (pos < p.max_cache_len)
+        slot = torch.where(keep, (lay.fp_base[:B, None] + (pos // P) % lay.ring) * P + pos % P, -1)
+        n = keep.sum(1)
         src = dst = None
         if self.pages.compressed:
-            old = (pos - W).clamp(min=0) // P        # compressed pages before the token
-            due = ok & ((pos + 1 - W).clamp(min=0) // P > old)
+            old = (lens - W).clamp(min=0) // P            # compressed pages before the tokens
+            due = (lens + n - W).clamp(min=0) // P > old
             src = torch.where(due, lay.fp_base[:B] + old % lay.ring, 0)
             dst = torch.where(due, lay.comp_base[:B] + old, 0)
-        p.pool._write(self.pages, k, v, slot, src, dst)
-        self.lens[:B].add_(ok.to(torch.int32))
-        self.seen.add_(1)
+        p.pool._write(self.pages, k.transpose(1, 2).reshape(B * t, H, D), v.transpose(1, 2).reshape(B * t, H, D),
+                      slot.reshape(B * t), src, dst)
+        self.lens[:B].add_(n.to(torch.int32))
+        self.seen.add_(t)
 
     # -- attention (called by the "kvq" attention function) --------------------------------
     def attention(self, module, query, key, value, attention_mask, *, dropout=0.0, scaling=None,
@@ -207,24 +217,86 @@ class StaticQuantizedLayer(CacheLayerMixin):
         return p.pool.decode_attention_from_tables(self.layer_idx, q, table, lens, comp, work, scaling)
 
     def _steps_attention(self, query, attention_mask, scaling) -> torch.Tensor:
-        """Several new tokens after the prefill (eager): appended and attended one at a time, as
-        decode steps would (the same pages); a token whose own mask column is masked is padding
-        and is not stored.  Returns ``[B, T, Hq, D]``."""
+        """Several new tokens after the prefill (eager), with the results of as many decode steps:
+        the tokens are stored P at a time by the decode step's rule (so pages compress when they
+        would), and query ``i`` attends to what decode step ``i`` would see — its row's tokens up
+        to its own, a page in its compressed form once the page has left the window at that step
+        and in full precision before.  Compressed pages are decoded from their codes a chunk of
+        whole pages at a time; full-precision tokens come from the row's ring (read before the new
+        tokens overwrite it) and from the new tokens themselves; an fp32 online softmax merges
+        the chunks.  A token whose own mask column is masked is padding: it is not stored and no
+        query sees it.  Returns ``[B, T, Hq, D]``."""
         k, v = self.pending
         self.pending = None
-        T, start = k.shape[2], int(self.seen)
-        real = None
+        p, lay = self.parent, self.layout
+        B, Hq, T, D = query.shape
+        P, W, H, dev = p.page_size, p.recent_window, k.shape[1], query.device
+        keep = torch.ones(B, T, dtype=torch.bool, device=dev)
         if attention_mask is not None:
             m = attention_mask[:, 0] if attention_mask.dim() == 4 else attention_mask  # [B, T, kv] or [B, kv]
             if m.dtype != torch.bool:
                 m = m > torch.finfo(m.dtype).min / 2
+            start = int(self.seen)
             cols = torch.arange(start, start + T, device=m.device)
-            real = (m[:, torch.arange(T, device=m.device), cols] if m.dim() == 3 else m[:, cols]).to(self.device)
-        outs = []
-        for t in range(T):
-            self._append_step(k[:, :, t].contiguous(), v[:, :, t].contiguous(), None if real is None else real[:, t])
-            outs.append(self._decode(query[:, :, t].contiguous(), scaling))
-        return torch.stack(outs, dim=1)
+            keep = (m[:, torch.arange(T, device=m.device), cols] if m.dim() == 3 else m[:, cols]).to(dev)
+        lens = self.lens[:B].to(torch.int64)
+        compressed = self.pages.compressed
+        if compressed:  # the ring's pages, before the new tokens overwrite them
+            comp0 = (lens - W).clamp(min=0) // P
+            ring_pages = comp0[:, None] + torch.arange(-(-int((lens - comp0 * P).max()) // P), device=dev)
+            ring = lay.fp_base[:B, None] + ring_pages % lay.ring
+            ring_kv = [self._gather(pool, ring) for pool in (self.pages.k_fp, self.pages.v_fp)]
+            ring_pos = (ring_pages[:, :, None] * P + torch.arange(P, device=dev)).reshape(B, -1)
+        for a in range(0, T, P):
+            self._append_tokens(k[:, :, a:a + P].contiguous(), v[:, :, a:a + P].contiguous(),
+                                keep[:, a:a + P].contiguous())
+        # what decode step i sees: the row's first qlen[:, i] tokens, its first qcomp[:, i] pages compressed
+        qlen = lens[:, None] + keep.cumsum(1)
+        qcomp = (qlen - W).clamp(min=0) // P if compressed else torch.zeros_like(qlen)
+        acc = OnlineSoftmax(query, H, D ** -0.5 if scaling is None else scaling)
+        chunk = max(P, (1 << 27) // (B * Hq * T) // P * P)  # keys per merge: <= 2^27 fp32 scores
+
+        def attend(K, V, pos, valid, as_compressed):  # K, V [B, H, n, D]; pos, valid [B, n]
+            for a in range(0, pos.shape[1], chunk):
+                ps, ok = pos[:, a:a + chunk], valid[:, a:a + chunk]
+                j = (ps // P)[:, None, :]
+                side = j < qcomp[:, :, None] if as_compressed else j >= qcomp[:, :, None]
+                allowed = ok[:, None, :] & (ps[:, None, :] < qlen[:, :, None]) & side
+                zero = ~ok[:, None, :, None]  # slots past a row's tokens may hold anything
+                acc.add(K[:, :, a:a + chunk].masked_fill(zero, 0), V[:, :, a:a + chunk].masked_fill(zero, 0), allowed)
+
+        pages = -(-int(qlen[:, -1].max()) // P)
+        step = chunk // P
+        for j0 in range(0, pages if not compressed else int(qcomp[:, -1].max()), step):
+            jj = torch.arange(j0, min(pages, j0 + step), device=dev)
+            pos = (jj[:, None] * P + torch.arange(P, device=dev)).reshape(1, -1).expand(B, -1)
+            if compressed:  # the pages compressed by the end of the step
+                K, V = (self._decoded(role, jj) for role in ("k", "v"))
+                attend(K, V, pos, (pos // P) < qcomp[:, -1:], True)
+            else:  # a full-precision layer's ring never wraps: every token is still in it
+                idx = lay.fp_table[:B, j0:j0 + jj.numel()].long()
+                attend(self._gather(self.pages.k_fp, idx), self._gather(self.pages.v_fp, idx), pos,
+                       pos < qlen[:, -1:], False)
+        if compressed:
+            attend(*ring_kv, ring_pos, ring_pos < lens[:, None], False)
+            attend(k, v, lens[:, None] + keep.cumsum(1) - 1, keep, False)
+        return acc.result(query.dtype).transpose(1, 2)
+
+    @staticmethod
+    def _row_tokens(pages: torch.Tensor, B: int) -> torch.Tensor:
+        """``[B n, H, P, D]`` pages (row-major) as the rows' tokens ``[B, H, n P, D]``."""
+        x = pages.view(B, -1, *pages.shape[1:]).permute(0, 2, 1, 3, 4)
+        return x.reshape(B, pages.shape[1], -1, pages.shape[-1])
+
+    def _gather(self, pool: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Pages ``idx`` (``[B, n]``) of a full-precision pool as ``[B, H, n P, D]`` (a copy)."""
+        return self._row_tokens(pool[idx.reshape(-1)], idx.shape[0])
+
+    def _decoded(self, role: str, jj: torch.Tensor) -> torch.Tensor:
+        """Every row's compressed logical pages ``jj`` of role ``"k"``/``"v"`` decoded from their
+        codes, ``[B, H, len(jj) P, D]``."""
+        idx = self.layout.comp_table[:self.batch, jj].long().reshape(-1)
+        return self._row_tokens(self.parent.pool._dequantize_pages(self.pages, role, idx), self.batch)
 
     def _prefill_attention(self, module, query, key, value, attention_mask, **kw):
         k, v = self.pending

@@ -479,16 +479,7 @@ class PagedKVCache:
             parts = []
             if st.comp_pages:
                 idx = torch.tensor(st.comp_pages, dtype=torch.int64, device=self.device)
-                if layer.hqmq is not None:
-                    codes, scale = layer.comp[role]
-                    none = torch.empty((0, 4), dtype=torch.int32, device=self.device)
-                    x = _ops.hqmq_decode(codes[idx], scale[idx], layer.secondary[role], none, layer.hqmq.radius_bits,
-                                         D, self.dtype)
-                else:
-                    codes, scale, zero = layer.comp[role]
-                    spec = layer.kspec if role == "k" else layer.vspec
-                    x = _ops.dequantize(codes[idx], scale[idx], zero[idx], spec.bits, spec.per_channel, self.dtype)
-                parts.append(x)  # [pages, H, P, D]
+                parts.append(self._dequantize_pages(layer, role, idx))  # [pages, H, P, D]
             nfp = st.length - len(st.comp_pages) * P
             if nfp > 0:
                 idx = torch.tensor(st.fp_pages, dtype=torch.int64, device=self.device)
@@ -499,6 +490,18 @@ class PagedKVCache:
             x = torch.cat(parts, dim=0).permute(1, 0, 2, 3).reshape(1, H, -1, D)[:, :, :st.length]
             out.append(x.contiguous())
         return out[0], out[1]
+
+    def _dequantize_pages(self, layer: _Layer, role: str, idx: torch.Tensor) -> torch.Tensor:
+        """The compressed pages ``idx`` (int64 ``[n]``, device) of role ``"k"``/``"v"`` decoded from
+        their codes: ``[n, H, P, D]`` in the cache's dtype (device launches only)."""
+        if layer.hqmq is not None:
+            codes, scale = layer.comp[role]
+            none = torch.empty((0, 4), dtype=torch.int32, device=idx.device)
+            return _ops.hqmq_decode(codes[idx], scale[idx], layer.secondary[role], none, layer.hqmq.radius_bits,
+                                    self.head_dim, self.dtype)
+        codes, scale, zero = layer.comp[role]
+        spec = layer.kspec if role == "k" else layer.vspec
+        return _ops.dequantize(codes[idx], scale[idx], zero[idx], spec.bits, spec.per_channel, self.dtype)
 
     def _page_bytes(self, layer: _Layer) -> Tuple[int, int]:
         """Bytes of one compressed page (both roles) and of one full-precision token (both roles)."""
