@@ -175,6 +175,15 @@ def test_compressed_decode_equals_the_paged_reference(model, preset, lengths, st
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert cache.layers[0].row_lengths() == [pool.seq_len(s) for s in ref.ids]
     assert any(comp_at(n + steps) > c for n, c in zip(lengths, comp_before)), "no page compressed in decode"
+    # layer 0's keys and values come from the embeddings alone, equal in both runs: its compressed
+    # pages hold the pool's codes bit for bit (HQMQ pages are encoded token by token as written)
+    lay, pl = cache.layers[0], pool.layers[0]
+    for b, s in enumerate(ref.ids):
+        pages, J = pl.seqs[s].comp_pages, lay.layout.comp
+        assert pages
+        for role in ("k", "v"):
+            for x, y in zip(lay.pages.comp[role], pl.comp[role]):
+                assert torch.equal(x[1 + b * J:1 + b * J + len(pages)], y[torch.tensor(pages)])
 
 
 def test_generate_with_a_compressed_cache(model):

@@ -19,7 +19,9 @@ full-precision ones) are tensor arithmetic on the row's length, a device tensor.
 A decode step (one token per row) therefore runs device launches only: ``paged_append`` with
 one slot and one (src, dst) page pair per row (scratch page 0 -> scratch page 0 for rows with
 nothing to compress), the lengths advanced in place, ``paged_decode_plan`` and the paged
-attention op.  The per-step state lives in tensors mutated in place (marked as static
+attention op.  HQMQ codes are per token, so an HQMQ layer encodes each token into its slot of
+the compressed pages as it writes it (B tokens per step, no page pairs): a page that leaves the
+window is already encoded, with the codes the whole page would get.  The per-step state lives in tensors mutated in place (marked as static
 addresses for CUDA graphs); the Python state (batch size, flags) is fixed after the prefill, so
 a compiled step neither breaks the graph nor recompiles from one step to the next.
 
@@ -162,6 +164,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
             setattr(key_states, STATIC_ATTR, self)
             return key_states, value_states
         self._append_tokens(key_states, value_states)
+        self.seen.add_(1)
         return self.pages.k_fp, self.pages.v_fp
 
     def _append_tokens(self, k: torch.Tensor, v: torch.Tensor, real: Optional[torch.Tensor] = None) -> None:
@@ -180,16 +183,21 @@ class StaticQuantizedLayer(CacheLayerMixin):
         keep = keep & (pos < p.max_cache_len)
         slot = torch.where(keep, (lay.fp_base[:B, None] + (pos // P) % lay.ring) * P + pos % P, -1)
         n = keep.sum(1)
+        kt, vt = k.transpose(1, 2).reshape(B * t, H, D), v.transpose(1, 2).reshape(B * t, H, D)
         src = dst = None
-        if self.pages.compressed:
+        if self.pages.hqmq is not None:
+            # per-token codes: each token is encoded into its compressed slot as it is written (a
+            # scratch slot for the tokens not stored), so no page is encoded when it leaves the
+            # window and a step encodes B tokens, not B pages
+            cslot = torch.where(keep, (lay.comp_base[:B, None] + pos // P) * P + pos % P, 0)
+            p.pool._encode_tokens(self.pages, kt, vt, cslot.reshape(B * t))
+        elif self.pages.compressed:
             old = (lens - W).clamp(min=0) // P            # compressed pages before the tokens
             due = (lens + n - W).clamp(min=0) // P > old
             src = torch.where(due, lay.fp_base[:B] + old % lay.ring, 0)
             dst = torch.where(due, lay.comp_base[:B] + old, 0)
-        p.pool._write(self.pages, k.transpose(1, 2).reshape(B * t, H, D), v.transpose(1, 2).reshape(B * t, H, D),
-                      slot.reshape(B * t), src, dst)
+        p.pool._write(self.pages, kt, vt, slot.reshape(B * t), src, dst)
         self.lens[:B].add_(n.to(torch.int32))
-        self.seen.add_(t)
 
     # -- attention (called by the "kvq" attention function) --------------------------------
     def attention(self, module, query, key, value, attention_mask, *, dropout=0.0, scaling=None,
@@ -250,6 +258,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         for a in range(0, T, P):
             self._append_tokens(k[:, :, a:a + P].contiguous(), v[:, :, a:a + P].contiguous(),
                                 keep[:, a:a + P].contiguous())
+        self.seen.add_(T)
         # what decode step i sees: the row's first qlen[:, i] tokens, its first qcomp[:, i] pages compressed
         qlen = lens[:, None] + keep.cumsum(1)
         qcomp = (qlen - W).clamp(min=0) // P if compressed else torch.zeros_like(qlen)
@@ -306,34 +315,17 @@ class StaticQuantizedLayer(CacheLayerMixin):
         return sdpa_attention_forward(module, query, key, value, mask, **kw)
 
     def _store_prefill(self, k: torch.Tensor, v: torch.Tensor, real: Optional[torch.Tensor]) -> None:
-        """The real tokens of every row into the row's pages, page by page: round r writes logical
-        page r of every row into its ring and compresses the page that leaves the window."""
-        p, lay = self.parent, self.layout
-        P, dev = p.page_size, self.device
+        """The real tokens of every row into the row's pages, P columns of the padded prompt at a
+        time, by the decode step's rule (each page compressed in the round it leaves the window)."""
+        p, P = self.parent, self.parent.page_size
         B, _, q, _ = k.shape
-        keep = torch.ones(B, q, dtype=torch.bool, device=dev) if real is None else real.to(dev)
-        counts = keep.sum(1).tolist()
-        kt, vt = k.permute(0, 2, 1, 3)[keep], v.permute(0, 2, 1, 3)[keep]  # [N, H, D], row-major
-        if p.pool.check_finite and kt.shape[0]:
-            p.pool._check_tokens(self.pages, kt, vt)
-        rows = torch.arange(B, device=dev)[:, None].expand(B, q)[keep]
-        pos = (keep.cumsum(1) - 1)[keep]
-        comp_at = p.pool._comp_pages_at
-        for r in range(-(-max(counts, default=0) // P)):
-            idx = ((pos // P) == r).nonzero().squeeze(1)
-            slots = (lay.fp_base[rows[idx]] + r % lay.ring) * P + pos[idx] % P
-            src, dst = [], []
-            if self.pages.compressed:
-                for b, n in enumerate(counts):
-                    old = comp_at(min(r * P, n))
-                    if comp_at(min((r + 1) * P, n)) > old:  # page `old` leaves the window in this round
-                        src.append(1 + b * lay.ring + old % lay.ring)
-                        dst.append(1 + b * lay.comp + old)
-            pairs = (torch.tensor(src, dtype=torch.int64, device=dev),
-                     torch.tensor(dst, dtype=torch.int64, device=dev)) if src else (None, None)
-            p.pool._write(self.pages, kt[idx], vt[idx], slots, *pairs)
+        keep = torch.ones(B, q, dtype=torch.bool, device=self.device) if real is None else real.to(self.device)
+        if p.pool.check_finite and q:
+            p.pool._check_tokens(self.pages, k.transpose(1, 2)[keep], v.transpose(1, 2)[keep])
         self.lens.zero_()
-        self.lens[:B] = torch.tensor(counts, dtype=torch.int32, device=dev)
+        for a in range(0, q, P):
+            self._append_tokens(k[:, :, a:a + P].contiguous(), v[:, :, a:a + P].contiguous(),
+                                keep[:, a:a + P].contiguous())
         self.batch, self.max_items = B, p.pool.default_max_items(B)
         self.pending, self.prefilled = None, True
 

@@ -357,6 +357,19 @@ class PagedKVCache:
                           bits=ks.bits if ks else 2, k_per_channel=ks.per_channel if ks else True,
                           v_per_channel=vs.per_channel if vs else False)
 
+    def _encode_tokens(self, layer: _Layer, kt: torch.Tensor, vt: torch.Tensor, comp_slots: torch.Tensor) -> None:
+        """HQMQ: tokens ``kt, vt [N, H, D]`` encoded straight into their slots of the compressed
+        pools (``comp_slots`` int64 ``[N]``: page · P + position; device launches only).  HQMQ
+        codes and radius scales are per token, so a page written token by token holds the codes
+        :meth:`_encode_pages` gives the whole page."""
+        page, pos = comp_slots // self.page_size, comp_slots % self.page_size
+        for role, x in (("k", kt), ("v", vt)):
+            codes, scale = layer.comp[role]
+            c, sc, _ = _ops.hqmq_encode(x.transpose(0, 1).unsqueeze(0).contiguous(), layer.secondary[role],
+                                        layer.hqmq.radius_bits, check_finite=False)  # [1, H, N, W], [1, H, N]
+            codes[page, :, pos] = c[0].transpose(0, 1)
+            scale[page, :, pos] = sc[0].transpose(0, 1)
+
     def _encode_pages(self, layer: _Layer, src: torch.Tensor, dst: torch.Tensor) -> None:
         """HQMQ: full-precision pages ``src`` (each one ``[1, H, P, D]`` block) encoded into the
         compressed pages ``dst`` (int64 device tensors; device launches only)."""
