@@ -21,9 +21,10 @@ one slot and one (src, dst) page pair per row (scratch page 0 -> scratch page 0 
 nothing to compress), the lengths advanced in place, ``paged_decode_plan`` and the paged
 attention op.  HQMQ codes are per token, so an HQMQ layer encodes each token into its slot of
 the compressed pages as it writes it (B tokens per step, no page pairs): a page that leaves the
-window is already encoded, with the codes the whole page would get.  The per-step state lives in tensors mutated in place (marked as static
-addresses for CUDA graphs); the Python state (batch size, flags) is fixed after the prefill, so
-a compiled step neither breaks the graph nor recompiles from one step to the next.
+window is already encoded, with the codes the whole page would get.  The per-step state lives
+in tensors mutated in place (marked as static addresses for CUDA graphs); the Python state
+(batch size, flags) is fixed after the prefill, so a compiled step neither breaks the graph nor
+recompiles from one step to the next.
 
 Prefill (the first forward, eager): ``update`` returns the fresh keys/values and the ``"kvq"``
 attention function reads the real tokens of every row off the attention mask it receives
@@ -170,10 +171,11 @@ class StaticQuantizedLayer(CacheLayerMixin):
     def _append_tokens(self, k: torch.Tensor, v: torch.Tensor, real: Optional[torch.Tensor] = None) -> None:
         """Up to P new tokens per row (``k, v [B, H, t, D]``, t <= P), each row's after its own
         length; device ops only, fixed shapes.  A token where ``real`` (bool ``[B, t]``) is False,
-        or past max_cache_len, is not stored (slot -1) and does not count.  With t <= P at most one
-        page per row leaves the recent window, so one (src, dst) pair per row suffices (scratch
-        page 0 -> 0 for the rows with none); the ring (W/P + 2 pages) still holds that page, since
-        the tokens land on the row's current page and the next one."""
+        or past max_cache_len, is not stored (slot -1) and does not count.  Group-quantized pages
+        are compressed when they leave the recent window: with t <= P at most one page per row
+        does, so one (src, dst) pair per row suffices (scratch page 0 -> 0 for the rows with none),
+        and the ring (W/P + 2 pages) still holds that page, since the tokens land on the row's
+        current page and the next one.  HQMQ tokens are encoded as they are written."""
         p, lay = self.parent, self.layout
         B, H, t, D = k.shape
         P, W = p.page_size, p.recent_window
