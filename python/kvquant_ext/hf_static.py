@@ -265,7 +265,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
         qlen = lens[:, None] + keep.cumsum(1)
         qcomp = (qlen - W).clamp(min=0) // P if compressed else torch.zeros_like(qlen)
         acc = OnlineSoftmax(query, H, D ** -0.5 if scaling is None else scaling)
-        chunk = max(P, (1 << 27) // (B * Hq * T) // P * P)  # keys per merge: <= 2^27 fp32 scores
+        chunk = max(P, (1 << 27) // (B * Hq * T) // P * P)  # keys per merge: ~2^27 fp32 scores, >= a page
 
         def attend(K, V, pos, valid, as_compressed):  # K, V [B, H, n, D]; pos, valid [B, n]
             for a in range(0, pos.shape[1], chunk):
