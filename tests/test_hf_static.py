@@ -406,6 +406,15 @@ def test_generate_with_chunked_prefill(model, preset):
                              **{kh.cache_kwarg(model): new()})
     if preset == "fp16":
         assert torch.equal(out, gen(model, ids, DynamicCache(), n=20))
+        # a left-padded batch: the chunks carry padding columns, which are not stored
+        _, ids, mask = left_padded([50, 37], seed=4)
+        cache = static(model, "fp16", rows=2, max_len=80, page_size=32)
+        with torch.no_grad():
+            out, ref = (model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
+                                       do_sample=False, pad_token_id=0, prefill_chunk_size=16,
+                                       **{kh.cache_kwarg(model): c}) for c in (cache, DynamicCache()))
+        assert torch.equal(out, ref)
+        assert cache.layers[0].row_lengths() == [50 + 19, 37 + 19]
         return
     cache, seq = new(), ids
     for a in range(0, 50, 16):
