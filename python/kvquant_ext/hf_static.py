@@ -273,12 +273,14 @@ class StaticQuantizedLayer(CacheLayerMixin):
                 j = (ps // P)[:, None, :]
                 side = j < qcomp[:, :, None] if as_compressed else j >= qcomp[:, :, None]
                 allowed = ok[:, None, :] & (ps[:, None, :] < qlen[:, :, None]) & side
-                zero = ~ok[:, None, :, None]  # slots past a row's tokens may hold anything
-                acc.add(K[:, :, a:a + chunk].masked_fill(zero, 0), V[:, :, a:a + chunk].masked_fill(zero, 0), allowed)
+                # slots past a row's tokens may hold anything: their scores are masked, but a
+                # non-finite value would still reach the weighted sum
+                acc.add(K[:, :, a:a + chunk], V[:, :, a:a + chunk].masked_fill(~ok[:, None, :, None], 0), allowed)
 
-        pages = -(-int(qlen[:, -1].max()) // P)
+        longest, most_comp = (int(x) for x in torch.stack([qlen[:, -1].max(), qcomp[:, -1].max()]).tolist())
+        pages = -(-longest // P)
         step = chunk // P
-        for j0 in range(0, pages if not compressed else int(qcomp[:, -1].max()), step):
+        for j0 in range(0, most_comp if compressed else pages, step):
             jj = torch.arange(j0, min(pages, j0 + step), device=dev)
             pos = (jj[:, None] * P + torch.arange(P, device=dev)).reshape(1, -1).expand(B, -1)
             if compressed:  # the pages compressed by the end of the step
@@ -290,7 +292,7 @@ class StaticQuantizedLayer(CacheLayerMixin):
                        pos < qlen[:, -1:], False)
         if compressed:
             attend(*ring_kv, ring_pos, ring_pos < lens[:, None], False)
-            attend(k, v, lens[:, None] + keep.cumsum(1) - 1, keep, False)
+            attend(k, v, qlen - 1, keep, False)  # a new token's position: its step's length - 1
         return acc.result(query.dtype).transpose(1, 2)
 
     @staticmethod
