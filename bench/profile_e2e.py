@@ -1,13 +1,16 @@
 """Where a decode step of ``model.generate`` spends its time: torch.profiler over the decode
 steps (prefill and the first step excluded) of the model of ``bench_e2e.py``, for
 transformers' ``DynamicCache`` with SDPA (as ``generate`` calls it, with its all-ones
-attention mask, without a mask, and with SDPA's cuDNN backend excluded), ``StaticCache`` with SDPA, and ``kvq`` presets.
+attention mask, without a mask, and with SDPA's cuDNN backend excluded), ``StaticCache`` with SDPA,
+``kvq`` presets (eager ``kvq.hf.QuantizedCache``) and ``--static`` presets
+(``kvq.hf.StaticQuantizedCache``, whose decode step generate compiles into CUDA graphs; one
+short warm-up generate compiles it before the profiled one).
 
 For each cache: wall ms per step (synchronised), then the top CUDA kernels by GPU time and
 the top CPU operators by self CPU time, each per step.
 
     python bench/profile_e2e.py [--layers 4 --batch 8 --prompt 16384 --steps 8]
-        [--presets kivi-2,hqmq-3.79] [--rows 12]
+        [--presets kivi-2,hqmq-3.79] [--static kivi-2] [--rows 12]
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 import kvquant_ext as kvq  # noqa: E402
 import kvquant_ext.hf as kh  # noqa: E402
-from bench_e2e import build_model, sdpa_backends  # noqa: E402
+from bench_e2e import build_model, forget_compiled, sdpa_backends  # noqa: E402
 
 
 class ProfStep:
@@ -49,6 +52,14 @@ def profile_one(model, ids, args, kind: str, device):
             cache = DynamicCache()
         if kind.endswith("no mask"):
             mask = None
+    elif kind.startswith("static "):
+        kh.enable(model)
+        cache = kh.StaticQuantizedCache(kind.split(" ", 1)[1], model.config, max_batch_size=ids.shape[0],
+                                        max_cache_len=ids.shape[1] + args.steps + 4)
+        with torch.no_grad():  # compiles the decode step (its guards hold this cache's tensors)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                           do_sample=False, pad_token_id=0, **{kh.cache_kwarg(model): cache})
+        cache.reset()
     else:
         kh.enable(model)
         cache = kh.QuantizedCache(kvq.get_config(kind), model.config)
@@ -84,6 +95,8 @@ def profile_one(model, ids, args, kind: str, device):
     for e in cpu:
         print(f"  {e.self_cpu_time_total / n:9.1f}  {e.count / n:6.1f}  {e.key[:110]}")
     del cache
+    if kind.startswith("static "):
+        forget_compiled(model)
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -95,6 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=16384)
     p.add_argument("--steps", type=int, default=8, help="decode steps recorded")
     p.add_argument("--presets", default="kivi-2", help="comma list of kvq presets ('' for none)")
+    p.add_argument("--static", default="", help="comma list of presets run as kvq.hf.StaticQuantizedCache, "
+                   "compiled by generate")
     p.add_argument("--baselines", default="DynamicCache,DynamicCache no mask,DynamicCache without cuDNN,StaticCache")
     p.add_argument("--rows", type=int, default=12)
     p.add_argument("--device", default="cuda")
@@ -110,7 +125,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     model = build_model(args, device, torch.float16 if device.type == "cuda" else torch.float32)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device=device)
-    kinds = [k for k in args.baselines.split(",") if k] + [k for k in args.presets.split(",") if k]
+    kinds = [k for k in args.baselines.split(",") if k] + [k for k in args.presets.split(",") if k] + \
+        [f"static {k}" for k in args.static.split(",") if k]
     for kind in kinds:
         profile_one(model, ids, args, kind, device)
     return 0

@@ -42,6 +42,11 @@ def model():
     return tiny_model()
 
 
+@pytest.fixture(scope="module")
+def cuda_model():
+    return tiny_model().to("cuda", torch.float16)
+
+
 def static(model, preset, rows=3, max_len=128, **kw):
     return kh.StaticQuantizedCache(preset, model.config, max_batch_size=rows, max_cache_len=max_len, **kw)
 
@@ -136,20 +141,41 @@ AttentionInterface.register(REF_ATTN, paged_reference_attention)
 AttentionMaskInterface.register(REF_ATTN, sdpa_mask)
 
 
-@pytest.mark.parametrize("preset,lengths,steps,window", [
+PAGED_REFERENCE_CASES = [
     ("kivi-2", [175, 150], 22, None),         # window 128: pages compress at 160 and 192
     ("int4-per-token", [40, 57], 12, None),   # no window: a page compresses when it fills (64)
     ("hqmq-3.79", [70, 90], 12, None),        # window 32: pages compress at 96
     ("kivi-2", [58, 33], 10, 0),              # no window: pages compress when full (64)
-])
+]
+
+
+@pytest.mark.parametrize("preset,lengths,steps,window", PAGED_REFERENCE_CASES)
 def test_compressed_decode_equals_the_paged_reference(model, preset, lengths, steps, window):
-    P = 32
+    check_against_the_paged_reference(model, preset, lengths, steps, window, tol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset,lengths,steps,window", PAGED_REFERENCE_CASES)
+def test_cuda_compressed_decode_equals_the_paged_reference(cuda_model, preset, lengths, steps, window):
+    """On CUDA in fp16 (both sides run the CUDA ops, with different batch tables and split
+    plans, so sums differ in rounding): close logits, the same pages bit for bit."""
+    check_against_the_paged_reference(cuda_model, preset, lengths, steps, window, tol=2e-2)
+
+
+def check_against_the_paged_reference(model, preset, lengths, steps, window, tol):
+    """Decode steps of the static cache give the logits of kvq.PagedKVCache fed the same tokens
+    (within ``tol``), with equal bytes and lengths; its layer-0 compressed pages equal the pool's
+    bit for bit.  On CPU (float32) the greedy tokens agree; on CUDA each step feeds the
+    reference's token to both."""
+    P, dev, dtype = 32, model.device, model.dtype
     prompts, ids, mask = left_padded(lengths, seed=2)
+    ids, mask = ids.to(dev), mask.to(dev)
     B, T = ids.shape
     pads = [T - n for n in lengths]
-    cache = static(model, preset, rows=B, max_len=T + steps + 1, page_size=P, recent_window=window)
+    cache = static(model, preset, rows=B, max_len=T + steps + 1, page_size=P, recent_window=window, device=dev,
+                   dtype=dtype)
     pool = kvq.PagedKVCache(preset, num_layers=2, num_kv_heads=2, head_dim=32, max_tokens=4096,
-                            dtype=torch.float32, page_size=P, max_seqs=B, recent_window=window)
+                            dtype=dtype, device=dev, page_size=P, max_seqs=B, recent_window=window)
     ref = PagedReference(pool, pads)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     got = fwd(model, cache, ids, attention_mask=mask, position_ids=pos)[:, -1]
@@ -161,10 +187,11 @@ def test_compressed_decode_equals_the_paged_reference(model, preset, lengths, st
     comp_at = pool._comp_pages_at
     comp_before = [comp_at(n) for n in lengths]
     for i in range(steps):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        tok = got.argmax(-1, keepdim=True)
-        assert torch.equal(tok, want.argmax(-1, keepdim=True)), f"step {i}"
-        step_pos = torch.tensor(lengths)[:, None] + i
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+        tok = want.argmax(-1, keepdim=True)
+        if dev.type == "cpu":
+            assert torch.equal(tok, got.argmax(-1, keepdim=True)), f"step {i}"
+        step_pos = torch.tensor(lengths, device=dev)[:, None] + i
         got = fwd(model, cache, tok, position_ids=step_pos)[:, -1]
         model.set_attn_implementation(REF_ATTN)
         try:
@@ -172,7 +199,7 @@ def test_compressed_decode_equals_the_paged_reference(model, preset, lengths, st
         finally:
             kh.enable(model)
         assert cache.nbytes == pool.nbytes
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     assert cache.layers[0].row_lengths() == [pool.seq_len(s) for s in ref.ids]
     assert any(comp_at(n + steps) > c for n, c in zip(lengths, comp_before)), "no page compressed in decode"
     # layer 0's keys and values come from the embeddings alone, equal in both runs: its compressed
@@ -347,23 +374,43 @@ def test_several_token_step_fp16_equals_dynamic_cache(model):
     assert cache.layers[0].row_lengths() == [20 + 5 + 1, 13 + 3 + 1]
 
 
-@pytest.mark.parametrize("preset,window", [("kivi-2", 32), ("int4-per-token", 0), ("hqmq-3.79", 32),
-                                            ("hqmq-3.79-paper", 0), ("fp16", 0)])
+SEVERAL_TOKEN_CASES = [("kivi-2", 32), ("int4-per-token", 0), ("hqmq-3.79", 32), ("hqmq-3.79-paper", 0),
+                       ("fp16", 0)]
+
+
+@pytest.mark.parametrize("preset,window", SEVERAL_TOKEN_CASES)
 @pytest.mark.parametrize("T", [8, 70])
 def test_several_token_step_equals_decoding_them_one_by_one(model, preset, window, T):
+    check_several_token_step(model, preset, window, T, tol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset,window", SEVERAL_TOKEN_CASES)
+@pytest.mark.parametrize("T", [8, 70])
+def test_cuda_several_token_step_equals_decoding_them_one_by_one(cuda_model, preset, window, T):
+    """On CUDA in fp16: the decode steps run the paged CUDA ops, the chunk the page decoders and
+    the fp32 online softmax over fp16 inputs, so the two agree within fp16 rounding."""
+    check_several_token_step(cuda_model, preset, window, T, tol=3e-2)
+
+
+def check_several_token_step(model, preset, window, T, tol):
     """A chunk of T new tokens on a batch (row 1's chunk left-padded by 3) gives each row the
-    logits of decoding its real tokens one by one, and stores the same pages: pages that leave
-    the window inside the chunk (T = 70 > 2 pages of 32: the ring wraps, and with no window the
-    chunk's own pages compress) are seen compressed by the later queries exactly as the decode
-    steps see them; padding is not stored."""
+    logits of decoding its real tokens one by one (within ``tol``), and stores the same pages:
+    pages that leave the window inside the chunk (T = 70 > 2 pages of 32: the ring wraps, and
+    with no window the chunk's own pages compress) are seen compressed by the later queries
+    exactly as the decode steps see them; padding is not stored."""
+    dev, dtype = model.device, model.dtype
     lengths, pad = [60, 45], [0, 3]
     prompts, ids, mask = left_padded(lengths, seed=10)
     chunk = torch.randint(1, VOCAB, (2, T), generator=torch.Generator().manual_seed(11))
     chunk_mask = torch.ones_like(chunk)
     chunk_mask[1, :pad[1]] = 0
     chunk_pos = torch.stack([(n + torch.arange(T) - d).clamp(min=0) for n, d in zip(lengths, pad)])
+    prompts, ids, mask, chunk, chunk_mask, chunk_pos = (
+        [p.to(dev) for p in prompts], ids.to(dev), mask.to(dev), chunk.to(dev), chunk_mask.to(dev), chunk_pos.to(dev))
     full = torch.cat([mask, chunk_mask], 1)
-    new = lambda rows: static(model, preset, rows=rows, max_len=136, page_size=32, recent_window=window)  # noqa: E731
+    new = lambda rows: static(model, preset, rows=rows, max_len=136, page_size=32, recent_window=window,  # noqa: E731
+                              device=dev, dtype=dtype)
     cache = new(2)
     fwd(model, cache, ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0))
     got = fwd(model, cache, chunk, attention_mask=full, position_ids=chunk_pos)
@@ -373,7 +420,7 @@ def test_several_token_step_equals_decoding_them_one_by_one(model, preset, windo
         fwd(model, ref, prompt[None])
         want = torch.cat([fwd(model, ref, chunk[b:b + 1, i:i + 1], position_ids=chunk_pos[b:b + 1, i:i + 1])
                           for i in range(d, T)], 1)
-        torch.testing.assert_close(got[b:b + 1, d:], want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[b:b + 1, d:].float(), want.float(), rtol=tol, atol=tol)
         # row b's compressed pages of layer 0 hold the same tokens, compressed alike (its keys and
         # values come from the embeddings alone: equal in both runs up to the projection's
         # rounding, which may move an fp16 scale by an ulp or, rarely, a code by one step)
@@ -384,11 +431,11 @@ def test_several_token_step_equals_decoding_them_one_by_one(model, preset, windo
             for x, y in zip(*([t for role in ("k", "v") for t in lay.pages.comp[role]] for lay in (a, r))):
                 x, y = x[1 + b * J:1 + b * J + c], y[1:1 + c]
                 if x.is_floating_point():
-                    torch.testing.assert_close(x, y, rtol=2e-3, atol=1e-4)
+                    torch.testing.assert_close(x.float(), y.float(), rtol=2e-3, atol=1e-4)
                 else:
                     assert (x != y).float().mean() <= 0.01
-    tok = torch.tensor([[5], [9]])
-    step_mask = torch.cat([full, torch.ones(2, 1, dtype=full.dtype)], 1)
+    tok = torch.tensor([[5], [9]], device=dev)
+    step_mask = torch.cat([full, torch.ones(2, 1, dtype=full.dtype, device=dev)], 1)
     after = fwd(model, cache, tok, attention_mask=step_mask, position_ids=chunk_pos[:, -1:] + 1)
     assert torch.isfinite(after).all()
 
