@@ -207,6 +207,12 @@ void paged_write_rows_on_device(const attention::PagedWriteParams& p, const at::
   KVQ_CUDA_CALL("paged_append", attention::paged_write_rows_cuda(p, c10::cuda::getCurrentCUDAStream().stream()));
 }
 
+void paged_compress_on_device(const attention::PagedCompressParams& p, const at::Tensor& pool) {
+  c10::cuda::CUDAGuard guard(pool.device());
+  KVQ_CUDA_CALL("paged_append", attention::paged_compress_cuda(p, dtype_id(pool.scalar_type()),
+                                                               c10::cuda::getCurrentCUDAStream().stream()));
+}
+
 at::Tensor paged_decode_plan_cuda(const at::Tensor& seq_lens, const at::Tensor& comp_lens, int64_t max_items) {
   c10::cuda::CUDAGuard guard(seq_lens.device());
   at::Tensor work = paged_decode_plan_prepare(seq_lens, comp_lens, max_items);

@@ -247,8 +247,10 @@ at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS);
 
 // ----- paged KV (csrc/paged.cpp) -----
 #ifdef KVQ_WITH_CUDA
-/// The token write of kvq.paged_append on the device of `pool` (csrc/cuda_bindings.cpp).
+/// The token write and the page compression of kvq.paged_append on the device of `pool`
+/// (csrc/cuda_bindings.cpp).
 void paged_write_rows_on_device(const attention::PagedWriteParams& p, const at::Tensor& pool);
+void paged_compress_on_device(const attention::PagedCompressParams& p, const at::Tensor& pool);
 #endif
 void paged_append(const at::Tensor& k_fp, const at::Tensor& v_fp, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_codes,

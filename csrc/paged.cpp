@@ -6,7 +6,6 @@
 // -ffp-contract=off like hqmq.cpp, so that the HQMQ pages decode exactly like kvq.hqmq_decode.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include "kvq/attention/paged_decode_attention.h"
 #include "ops.h"
@@ -95,6 +94,53 @@ static attention::QuantKV make_pool_role(const char* op, const std::string& r, c
 // ---------------------------------------------------------------------------------------------
 // kvq.paged_append
 // ---------------------------------------------------------------------------------------------
+/// The page compression of a paged_append call over the contiguous pairs src / dst (undefined:
+/// none): every argument checked (on the CPU also every pair's pages), nothing written.  M = 0
+/// when the call compresses nothing.
+static attention::PagedCompressParams prepare_paged_compress(
+    const at::Tensor& k_fp, const at::Tensor& v_fp, const std::optional<at::Tensor>& k_codes,
+    const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_zero,
+    const std::optional<at::Tensor>& v_codes, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& v_zero, const at::Tensor& src, const at::Tensor& dst, int64_t bits,
+    bool k_per_channel, bool v_per_channel) {
+  attention::PagedCompressParams c;
+  KVQ_CHECK_ARG(src.defined() == dst.defined(), kAppend, "compress_src", "and 'compress_dst' must be given together");
+  if (!src.defined()) return c;
+  for (const at::Tensor* t : {&src, &dst}) {
+    const char* name = t == &src ? "compress_src" : "compress_dst";
+    CHECK_DTYPE(kAppend, *t, name, at::kLong);
+    CHECK_SAME_DEVICE(kAppend, k_fp, "k_fp", *t, name);
+    KVQ_CHECK_ARG(t->dim() == 1 && t->size(0) == src.size(0), kAppend, name,
+                  "must be [M] with M = len(compress_src), got ", t->sizes());
+  }
+  const attention::QuantKV ks = make_pool_role(kAppend, "k", k_fp, k_codes, k_scale, k_zero, bits, k_per_channel);
+  const attention::QuantKV vs = make_pool_role(kAppend, "v", v_fp, v_codes, v_scale, v_zero, bits, v_per_channel);
+  KVQ_CHECK_ARG(ks.codes != nullptr && vs.codes != nullptr, kAppend, "k_codes",
+                "(and the other compressed pools) are needed to compress pages");
+  KVQ_CHECK_ARG(v_codes->size(0) == k_codes->size(0), kAppend, "v_codes", "must have as many pages as 'k_codes' (",
+                k_codes->size(0), "), got ", v_codes->size(0));
+  c.src = src.data_ptr<int64_t>(), c.dst = dst.data_ptr<int64_t>();
+  c.M = src.size(0), c.H = k_fp.size(1), c.P = k_fp.size(2), c.D = k_fp.size(3), c.bits = (int)bits;
+  c.fp_pages = k_fp.size(0), c.comp_pages = k_codes->size(0);
+  const std::optional<at::Tensor>* pools[2][3] = {{&k_codes, &k_scale, &k_zero}, {&v_codes, &v_scale, &v_zero}};
+  for (int r = 0; r < 2; ++r) {
+    attention::PagedCompressRole& cr = c.role[r];
+    cr.fp = (r == 0 ? k_fp : v_fp).data_ptr();
+    cr.codes = (*pools[r][0])->data_ptr<int32_t>();
+    cr.scale = reinterpret_cast<uint16_t*>((*pools[r][1])->data_ptr());
+    cr.zero = reinterpret_cast<uint16_t*>((*pools[r][2])->data_ptr());
+    cr.group = (r == 0 ? ks : vs).group, cr.per_channel = (r == 0 ? ks : vs).per_channel;
+  }
+  if (k_fp.is_cpu())
+    for (int64_t m = 0; m < c.M; ++m) {
+      KVQ_CHECK_ARG(c.src[m] >= 0 && c.src[m] < c.fp_pages, kAppend, "compress_src", "entry ", m, " is ", c.src[m],
+                    ", not a page of the full-precision pool (", c.fp_pages, " pages)");
+      KVQ_CHECK_ARG(c.dst[m] >= 0 && c.dst[m] < c.comp_pages, kAppend, "compress_dst", "entry ", m, " is ", c.dst[m],
+                    ", not a page of the compressed pool (", c.comp_pages, " pages)");
+    }
+  return c;
+}
+
 void paged_append(const at::Tensor& k_fp, const at::Tensor& v_fp, const at::Tensor& k, const at::Tensor& v,
                   const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_codes,
                   const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& k_zero,
@@ -103,6 +149,11 @@ void paged_append(const at::Tensor& k_fp, const at::Tensor& v_fp, const at::Tens
                   const std::optional<at::Tensor>& compress_dst, int64_t bits, bool k_per_channel,
                   bool v_per_channel) {
   check_fp_pools(kAppend, k_fp, v_fp);
+  KVQ_CHECK_ARG(k_fp.is_cpu() || k_fp.is_cuda(), kAppend, "k_fp", "must be on the CPU or a CUDA device, got ",
+                k_fp.device());
+#ifndef KVQ_WITH_CUDA
+  KVQ_CHECK_ARG(k_fp.is_cpu(), kAppend, "k_fp", "must be on the CPU (this build has no CUDA), got ", k_fp.device());
+#endif
   const int64_t H = k_fp.size(1), P = k_fp.size(2), D = k_fp.size(3);
   for (const at::Tensor* t : {&k, &v}) {
     const char* name = t == &k ? "k" : "v";
@@ -119,63 +170,49 @@ void paged_append(const at::Tensor& k_fp, const at::Tensor& v_fp, const at::Tens
   CHECK_SAME_DEVICE(kAppend, k_fp, "k_fp", slot_mapping, "slot_mapping");
   KVQ_CHECK_ARG(slot_mapping.dim() == 1 && slot_mapping.size(0) == k.size(0), kAppend, "slot_mapping",
                 "must be [N=", k.size(0), "], got ", slot_mapping.sizes());
-  if (k.size(0) > 0) {
+  const at::Tensor slots = slot_mapping.contiguous();
+  attention::PagedWriteParams w;
+  w.N = k.size(0), w.H = H, w.D = D, w.pages = k_fp.size(0);
+  w.page_shift = page_shift_of(kAppend, k_fp, "k_fp");
+  w.slots = slots.data_ptr<int64_t>();
+  if (k_fp.is_cpu()) {
+    const int64_t capacity = w.pages * P;
+    for (int64_t n = 0; n < w.N; ++n)
+      KVQ_CHECK_ARG(w.slots[n] < capacity, kAppend, "slot_mapping", "entry ", n, " is ", w.slots[n],
+                    ", past the pool's ", capacity, " slots (", w.pages, " pages of ", P, " tokens)");
+  }
+  const auto given = [](const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); };
+  const at::Tensor src = given(compress_src) ? compress_src->contiguous() : at::Tensor();
+  const at::Tensor dst = given(compress_dst) ? compress_dst->contiguous() : at::Tensor();
+  const attention::PagedCompressParams c = prepare_paged_compress(
+      k_fp, v_fp, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, src, dst, bits, k_per_channel, v_per_channel);
+  // every argument is checked: first the tokens, then the pages (which may hold them)
+  if (w.N > 0) {
     // rows with a contiguous last dim; the pools are written in place (schema: Tensor(a!), Tensor(b!))
     const at::Tensor kr = k.stride(2) == 1 ? k : k.contiguous(), vr = v.stride(2) == 1 ? v : v.contiguous();
-    const at::Tensor slots = slot_mapping.contiguous();
-    attention::PagedWriteParams w;
     w.k = kr.data_ptr(), w.v = vr.data_ptr();
     w.k_sn = kr.stride(0), w.k_sh = kr.stride(1), w.v_sn = vr.stride(0), w.v_sh = vr.stride(1);
     w.k_fp = k_fp.data_ptr(), w.v_fp = v_fp.data_ptr();
-    w.slots = slots.data_ptr<int64_t>();
-    w.N = k.size(0), w.H = H, w.D = D, w.pages = k_fp.size(0);
-    w.page_shift = page_shift_of(kAppend, k_fp, "k_fp");
     w.elem_bytes = (int)k_fp.element_size();
     if (k_fp.is_cpu()) {
-      const int64_t capacity = w.pages * P;
-      for (int64_t n = 0; n < w.N; ++n)
-        KVQ_CHECK_ARG(w.slots[n] < capacity, kAppend, "slot_mapping", "entry ", n, " is ", w.slots[n],
-                      ", past the pool's ", capacity, " slots (", w.pages, " pages of ", P, " tokens)");
       attention::paged_write_rows_host(w);
     } else {
 #ifdef KVQ_WITH_CUDA
-      KVQ_CHECK_ARG(k_fp.is_cuda(), kAppend, "k_fp", "must be on the CPU or a CUDA device, got ", k_fp.device());
       paged_write_rows_on_device(w, k_fp);
-#else
-      KVQ_CHECK_ARG(false, kAppend, "k_fp", "must be on the CPU (this build has no CUDA), got ", k_fp.device());
 #endif
     }
   }
-  const bool compress = compress_src.has_value() && compress_src->defined();
-  KVQ_CHECK_ARG(compress == (compress_dst.has_value() && compress_dst->defined()), kAppend, "compress_src",
-                "and 'compress_dst' must be given together");
-  if (!compress) return;
-  for (const at::Tensor* t : {&*compress_src, &*compress_dst}) {
-    const char* name = t == &*compress_src ? "compress_src" : "compress_dst";
-    CHECK_DTYPE(kAppend, *t, name, at::kLong);
-    CHECK_SAME_DEVICE(kAppend, k_fp, "k_fp", *t, name);
-    KVQ_CHECK_ARG(t->dim() == 1 && t->size(0) == compress_src->size(0), kAppend, name,
-                  "must be [M] with M = len(compress_src), got ", t->sizes());
+  if (c.M == 0) return;
+  if (k_fp.is_cpu()) {
+    const auto dt = dtype_id(k_fp.scalar_type());
+    at::parallel_for(0, c.M * H, parallel_grain(2 * P * D), [&](int64_t lo, int64_t hi) {
+      KVQ_DISPATCH_DTYPE(dt, DType, [&] { attention::paged_compress_host<DType>(c, lo, hi); });
+    });
+  } else {
+#ifdef KVQ_WITH_CUDA
+    paged_compress_on_device(c, k_fp);
+#endif
   }
-  const attention::QuantKV ks = make_pool_role(kAppend, "k", k_fp, k_codes, k_scale, k_zero, bits, k_per_channel);
-  const attention::QuantKV vs = make_pool_role(kAppend, "v", v_fp, v_codes, v_scale, v_zero, bits, v_per_channel);
-  KVQ_CHECK_ARG(ks.codes != nullptr && vs.codes != nullptr, kAppend, "k_codes",
-                "(and the other compressed pools) are needed to compress pages");
-  if (compress_src->size(0) == 0) return;
-  static auto quantize = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("kvq::quantize", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, int64_t, int64_t,
-                                                                                    bool, bool)>();
-  // each listed full-precision page is one [1, H, P, D] block: kvq.quantize's layout is the page layout
-  auto one = [&](const at::Tensor& fp, const attention::QuantKV& s, at::Tensor codes, at::Tensor scale,
-                 at::Tensor zero) {
-    auto [c, sc, z] = quantize.call(fp.index_select(0, *compress_src), bits, s.group, s.per_channel, false);
-    codes.index_copy_(0, *compress_dst, c);
-    scale.index_copy_(0, *compress_dst, sc);
-    zero.index_copy_(0, *compress_dst, z);
-  };
-  one(k_fp, ks, *k_codes, *k_scale, *k_zero);
-  one(v_fp, vs, *v_codes, *v_scale, *v_zero);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -351,6 +351,100 @@ def test_cuda_paged_append_skips_a_slot_past_the_pool():
     assert k_fp[0, 0, 0].eq(1).all() and k_fp[1, 0, 1].eq(1).all()
 
 
+def compress_pools(bits, specs, pages, H, P, D, dtype, device, g):
+    """Full-precision pools of structured random pages and compressed pools of a sentinel
+    (codes -1, scale / zero 0x7777) in the layout of paged_append's compression."""
+    fp = [make_kv(pages, H, P, D, torch.float32, "cpu", g).to(dtype).to(device) for _ in range(2)]
+    comp = []
+    for G, pc in specs:
+        sshape = (pages, H, P // G, D) if pc else (pages, H, P, D // G)
+        comp += [torch.full((pages, H, P, D * bits // 32), -1, dtype=torch.int32, device=device),
+                 torch.full(sshape, 0x7777, dtype=torch.int16, device=device).view(torch.float16),
+                 torch.full(sshape, 0x7777, dtype=torch.int16, device=device).view(torch.float16)]
+    return fp, comp
+
+
+COMPRESS_CASES = [  # bits, (key group, per channel), (value group, per channel)
+    (2, (32, True), (32, False)),   # KIVI
+    (4, (-1, True), (16, False)),   # KCVT keys: one group per page
+    (8, (16, True), (-1, False)),   # 8-bit, a value group per token
+    (4, (64, False), (32, False)),  # per-token keys
+    (2, (8, False), (32, True)),    # groups narrower than a code word; per-channel values
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits,kspec,vspec", COMPRESS_CASES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("P,D", [(32, 64), (128, 128), (64, 256)])
+def test_paged_append_compresses_pages_as_the_reference_quantizes_them(device, bits, kspec, vspec, dtype, P, D):
+    """Each listed pair's full-precision page is quantized into its compressed page exactly as the
+    pure-PyTorch reference quantizes that page (codes, scales and zero points bit for bit); a
+    pair into the scratch page 0 and the pages not listed are left alone."""
+    g = torch.Generator().manual_seed(bits * 1000 + P + D)
+    pages, H = 6, 2
+    specs = [((P if pc else D) if G == -1 else G, pc) for G, pc in (kspec, vspec)]
+    (k_fp, v_fp), comp = compress_pools(bits, specs, pages, H, P, D, dtype, device, g)
+    v_fp[2, 1, 3:9] = 0.0  # a constant group: scale 0
+    before = [t.clone() for t in comp]
+    src = torch.tensor([3, 1, 4, 2], device=device)
+    dst = torch.tensor([2, 0, 5, 1], device=device)
+    none = torch.empty(0, H, D, dtype=dtype, device=device)
+    kvq.ops.paged_append(k_fp, v_fp, none, none, torch.empty(0, dtype=torch.int64, device=device), *comp,
+                         compress_src=src, compress_dst=dst, bits=bits, k_per_channel=specs[0][1],
+                         v_per_channel=specs[1][1])
+    for r, (fp, (G, pc)) in enumerate(zip((k_fp, v_fp), specs)):
+        codes, scale, zero = comp[3 * r:3 * r + 3]
+        for a, b in zip(src.tolist(), dst.tolist()):
+            if b == 0:
+                continue
+            rc, rs, rz = quantize_ref(fp[a].cpu(), bits, G, pc)
+            assert torch.equal(unpack_ref(codes[b].cpu(), bits), rc), (r, a, b)
+            assert torch.equal(scale[b].cpu().view(torch.int16), rs.view(torch.int16)), (r, a, b)
+            assert torch.equal(zero[b].cpu().view(torch.int16), rz.view(torch.int16)), (r, a, b)
+        for untouched in (0, 3, 4):
+            for t, t0 in zip(comp[3 * r:3 * r + 3], before[3 * r:3 * r + 3]):
+                assert torch.equal(t[untouched].view(torch.int16 if t.dtype == torch.float16 else t.dtype),
+                                   t0[untouched].view(torch.int16 if t.dtype == torch.float16 else t.dtype))
+
+
+@requires_cuda
+@pytest.mark.parametrize("bits,kspec,vspec", COMPRESS_CASES)
+def test_cuda_paged_append_compression_equals_the_cpu(bits, kspec, vspec):
+    """The CUDA page compression writes the CPU twin's pages bit for bit (fp16 pools, many
+    pairs, pages of 128 tokens of D = 128), and skips pairs outside the pools."""
+    g = torch.Generator().manual_seed(bits)
+    pages, H, P, D = 40, 8, 128, 128
+    specs = [((P if pc else D) if G == -1 else G, pc) for G, pc in (kspec, vspec)]
+    (k_fp, v_fp), comp = compress_pools(bits, specs, pages, H, P, D, torch.float16, "cpu", g)
+    src = torch.randperm(pages, generator=g)[:30]
+    dst = torch.randperm(pages, generator=g)[:30]
+    kw = dict(bits=bits, k_per_channel=specs[0][1], v_per_channel=specs[1][1])
+    none = torch.empty(0, H, D, dtype=torch.float16)
+    slots = torch.empty(0, dtype=torch.int64)
+    comp_cuda = [t.cuda() for t in comp]
+    kvq.ops.paged_append(k_fp, v_fp, none, none, slots, *comp, compress_src=src, compress_dst=dst, **kw)
+    bad_src, bad_dst = torch.cat([src, torch.tensor([pages, 1])]), torch.cat([dst, torch.tensor([1, pages])])
+    kvq.ops.paged_append(k_fp.cuda(), v_fp.cuda(), none.cuda(), none.cuda(), slots.cuda(), *comp_cuda,
+                         compress_src=bad_src.cuda(), compress_dst=bad_dst.cuda(), **kw)
+    for a, b in zip(comp, comp_cuda):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.float16 else a,
+                           b.cpu().view(torch.int16) if b.dtype == torch.float16 else b.cpu())
+
+
+def test_paged_append_refuses_pairs_outside_the_pools_on_cpu():
+    (k_fp, v_fp), comp = compress_pools(2, [(32, True), (32, False)], 3, 1, 32, 64, torch.float16, "cpu",
+                                        torch.Generator().manual_seed(0))
+    before = [t.clone() for t in comp]
+    none, slots = torch.empty(0, 1, 64, dtype=torch.float16), torch.empty(0, dtype=torch.int64)
+    for src, dst, name in (([1, 3], [1, 2], "compress_src.*entry 1 is 3"), ([1, 2], [-1, 2], "compress_dst.*entry 0 is -1")):
+        with pytest.raises(RuntimeError, match=name):
+            kvq.ops.paged_append(k_fp, v_fp, none, none, slots, *comp, compress_src=torch.tensor(src),
+                                 compress_dst=torch.tensor(dst))
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) if a.dtype == torch.float16 else
+                   torch.equal(a, b) for a, b in zip(comp, before))
+
+
 def test_op_bad_block_table_is_refused_on_cpu():
     cache, ids, _ = build("kivi-2", [300], 2, 64, torch.float16, "cpu")
     layer = cache.layers[0]

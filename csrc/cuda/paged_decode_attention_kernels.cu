@@ -61,6 +61,12 @@ cudaError_t paged_write_rows_cuda(const PagedWriteParams& p, cudaStream_t stream
   return e == 2 ? LaunchPagedWriteRows<uint16_t>(p, stream) : LaunchPagedWriteRows<uint32_t>(p, stream);
 }
 
+cudaError_t paged_compress_cuda(const PagedCompressParams& p, DTypeId dtype, cudaStream_t stream) {
+  return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t {
+    return KVQ_DISPATCH_BITS(p.bits, BITS, [&]() -> cudaError_t { return LaunchPagedCompress<DType, BITS>(p, stream); });
+  });
+}
+
 cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype, cudaStream_t stream) {
   if (p.paged.block_table == nullptr || p.paged.work == nullptr) return cudaErrorInvalidValue;
   if (paged_decode_attention_mma_ok(p, dtype)) {

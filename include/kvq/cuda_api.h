@@ -129,5 +129,8 @@ cudaError_t paged_decode_attention_cuda(const DecodeAttnParams& p, DTypeId dtype
 cudaError_t paged_decode_attention_hqmq_cuda(const PagedHqmqParams& hp, DTypeId dtype, cudaStream_t stream);
 /// \brief The token write of kvq.paged_append (PagedWriteParams): one kernel for keys and values.
 cudaError_t paged_write_rows_cuda(const PagedWriteParams& p, cudaStream_t stream);
+/// \brief The page compression of kvq.paged_append (PagedCompressParams): one launch for every
+/// pair of both roles; `dtype` is the full-precision pools'.
+cudaError_t paged_compress_cuda(const PagedCompressParams& p, DTypeId dtype, cudaStream_t stream);
 }  // namespace attention
 }  // namespace kvq

@@ -322,7 +322,8 @@ def paged_append(k_fp, v_fp, k, v, slot_mapping, k_codes=None, k_scale=None, k_z
     of ``k_fp, v_fp [pages, H, P, D]``.  Then the full-precision pages ``compress_src`` (int64
     ``[M]``) are quantized into the compressed pages ``compress_dst`` of the pools ``k_codes``
     (int32 ``[pages, H, P, D*bits/32]``), ``k_scale`` / ``k_zero`` (fp16, kvq.quantize's layout
-    of one ``[1, H, P, D]`` block) and the value pools likewise.  No host synchronisation."""
+    of one ``[1, H, P, D]`` block) and the value pools likewise; a pair into page 0 (scratch) is
+    skipped.  No host synchronisation."""
     torch.ops.kvq.paged_append.default(k_fp, v_fp, k, v, slot_mapping, k_codes, k_scale, k_zero, v_codes,
                                        v_scale, v_zero, compress_src, compress_dst, bits, k_per_channel,
                                        v_per_channel)

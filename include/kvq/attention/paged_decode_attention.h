@@ -87,6 +87,68 @@ inline void paged_write_rows_host(const PagedWriteParams& p) {
   }
 }
 
+/// \brief One role of the page compression of kvq.paged_append: the full-precision pool
+/// [fp_pages, H, P, D] and the compressed pool it is quantized into (codes [pages, H, P, D * bits
+/// / 32], scale / zero fp16 [pages, H, P / G, D] per channel or [pages, H, P, D / G] per token).
+struct PagedCompressRole {
+  const void* fp = nullptr;
+  int32_t* codes = nullptr;
+  uint16_t* scale = nullptr;
+  uint16_t* zero = nullptr;
+  int64_t group = 0;  // G, resolved
+  bool per_channel = false;
+};
+
+/// \brief The page compression of kvq.paged_append: for every pair m with dst[m] != 0,
+/// full-precision page src[m] of each role is group-quantized into compressed page dst[m],
+/// exactly as kvq.quantize quantizes that page as a [1, H, P, D] block (the page layout is the
+/// block layout).  Page 0 of the compressed pool is scratch: pairs into it are skipped, so a
+/// captured step may list a pair for every row and point the rows with nothing to compress
+/// there.  On the device a pair outside the pools is skipped too (the host checks them).
+struct PagedCompressParams {
+  const int64_t* src = nullptr;  // [M] full-precision page ids
+  const int64_t* dst = nullptr;  // [M] compressed page ids
+  int64_t M = 0, H = 0, P = 0, D = 0;
+  int64_t fp_pages = 0, comp_pages = 0;
+  int bits = 2;
+  PagedCompressRole role[2];  // keys, values
+};
+
+/// Entries of a role's scale (and zero) per (page, head).
+KVQ_HOST_DEVICE int64_t paged_compress_qparams(const PagedCompressParams& p, const PagedCompressRole& r) {
+  return r.per_channel ? p.P / r.group * p.D : p.P * (p.D / r.group);
+}
+
+/// \brief The group-quantize block of (pair m, head h) of role r: group_quantize_cpu's
+/// parameters of one [1, P, D] matrix at the pair's pages.
+template <typename DType>
+quant::GroupQuantParams paged_compress_block(const PagedCompressParams& p, const PagedCompressRole& r, int64_t m,
+                                             int64_t h) {
+  const int64_t W = p.D * p.bits / 32, nq = paged_compress_qparams(p, r);
+  const int64_t sb = (p.src[m] * p.H + h) * p.P, db = p.dst[m] * p.H + h;
+  quant::GroupQuantParams g;
+  g.x = static_cast<const DType*>(r.fp) + sb * p.D;
+  g.codes = r.codes + db * p.P * W;
+  g.scale = r.scale + db * nq;
+  g.zero = r.zero + db * nq;
+  g.N = 1, g.T = p.P, g.D = p.D, g.group = r.group, g.bits = p.bits, g.per_channel = r.per_channel;
+  return g;
+}
+
+/// \brief The CPU twin of the page compression over units [begin, end) of the M * H units
+/// (pair m, head h) = (u / H, u % H), both roles each (pairs already checked by the caller).
+template <typename DType>
+void paged_compress_host(const PagedCompressParams& p, int64_t begin, int64_t end) {
+  for (int64_t u = begin; u < end; ++u) {
+    const int64_t m = u / p.H, h = u % p.H;
+    if (p.dst[m] == 0) continue;  // scratch
+    for (const PagedCompressRole& r : p.role) {
+      const quant::GroupQuantParams g = paged_compress_block<DType>(p, r, m, h);
+      quant::group_quantize_cpu<DType>(g, 0, quant::group_quant_cpu_units(g));
+    }
+  }
+}
+
 /// Compressed tokens of a sequence as the kernels read them: comp clamped to [0, len].
 KVQ_HOST_DEVICE int64_t paged_comp_len(int64_t len, int64_t comp) {
   return comp < 0 ? 0 : (comp > len ? len : comp);
