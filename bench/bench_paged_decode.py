@@ -7,7 +7,9 @@ the eager PagedKVCache.decode_attention call ("eager": GPU time between events a
 Python call) and its host wall time per call ("host"), bytes the op reads (the layer's nbytes),
 GB/s and % of the device-to-device copy bandwidth measured in the same run.  Then a mixed batch
 of 16 sequences (1k .. 64k tokens) next to an equal-length batch of the same total tokens, and
-paged_append of one decode token for 32 sequences (and of a step that fills pages).
+paged_append of one decode token for 32 sequences (and of a step that fills pages, and of one
+whose 32 page pairs all point at the scratch page, as a captured step's rows with nothing to
+compress do).
 
     python bench/bench_paged_decode.py [--batch 1 8 32] [--len 4096 32768 131072] [--presets kivi-2 ...]
 """
@@ -148,7 +150,7 @@ def main(argv=None):
                                            bits=bits, k_per_channel=kpc, v_per_channel=vpc)
         t1 = bench_gpu_time(one, cold_l2=False)["us"]
         g1 = bench_gpu_time(one, cold_l2=False, graph=True)["us"]
-        tf = float("nan")
+        tf = tg = ts = float("nan")
         if cache.compressed:
             src = torch.tensor([layer.seqs[s].fp_pages[-1] for s in ids], device="cuda")
             dst = torch.tensor(layer.free_comp[:32], device="cuda")
@@ -161,10 +163,17 @@ def main(argv=None):
                                                     *pools, compress_src=src, compress_dst=dst, bits=bits,
                                                     k_per_channel=kpc, v_per_channel=vpc)
             tf = bench_gpu_time(fill, cold_l2=False)["us"]
-        arows.append([preset, f"{g1:.1f}", f"{t1:.1f}", f"{tf:.1f}"])
+            tg = bench_gpu_time(fill, cold_l2=False, graph=True)["us"]
+            if cache.hqmq is None:  # a captured step's pairs for rows with nothing to compress
+                zero = torch.zeros_like(src)
+                ts = bench_gpu_time(lambda: kvq.ops.paged_append(
+                    layer.k_fp, layer.v_fp, kt, kt, slots, *pools, compress_src=zero, compress_dst=zero, bits=bits,
+                    k_per_channel=kpc, v_per_channel=vpc), cold_l2=False, graph=True)["us"]
+        arows.append([preset, f"{g1:.1f}", f"{t1:.1f}", f"{tf:.1f}", f"{tg:.1f}", f"{ts:.1f}"])
         print(arows[-1], flush=True)
         del cache
-    print(table(arows, ["cache", "append 32 x 1 token graph us", "eager us", "append + compress 32 pages eager us"]),
+    print(table(arows, ["cache", "append 32 x 1 token graph us", "eager us", "append + compress 32 pages eager us",
+                        "graph us", "append + 32 scratch pairs graph us"]),
           flush=True)
 
 
