@@ -3,7 +3,9 @@ same run, each decode step next to its bytes floor.
 
 Caches (rows): transformers' FP16 ``DynamicCache`` (eager SDPA; also with SDPA's cuDNN backend
 excluded, which on Hopper re-plans for every new key length) and ``StaticCache`` (decode
-compiled by generate: CUDA graphs), ``kvq.hf.QuantizedCache`` (eager) for ``--presets`` and
+compiled by generate: CUDA graphs), transformers' own ``QuantizedCache`` with the quanto backend
+(int4 / int2 keys and values, residual window of 128 tokens; needs ``optimum-quanto``) for
+``--peers``, ``kvq.hf.QuantizedCache`` (eager) for ``--presets`` and
 ``kvq.hf.StaticQuantizedCache`` (compiled by generate) for ``--static``.
 
 The model is a **Llama-3-8B-shaped** ``LlamaForCausalLM`` with random weights (hidden 4096,
@@ -41,6 +43,7 @@ import kvquant_ext.hf as kh
 from kvquant_ext.attention import sdpa_without_cudnn
 
 GIB = 1024 ** 3
+PEER = "QuantizedCache (transformers quanto int"  # + "4, SDPA without cuDNN)"
 
 
 class StepClock:
@@ -86,14 +89,24 @@ def build_model(args, device, dtype):
     return model.eval()
 
 
+def inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+    """The plain tensors that hold a tensor's data: itself, or for a tensor subclass (the
+    packed codes, scales and shifts of an optimum-quanto tensor) its inner tensors."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for n in names for x in inner_tensors(getattr(t, n))]
+
+
 def cache_bytes(cache) -> int:
     if isinstance(cache, (kh.QuantizedCache, kh.StaticQuantizedCache)):
         return cache.nbytes
     n = 0
-    for layer in cache.layers:
-        for t in (layer.keys, layer.values):
-            if t is not None:
-                n += t.numel() * t.element_size()
+    for layer in cache.layers:  # transformers' layers; its quantized ones also hold the codes
+        for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                n += sum(x.numel() * x.element_size() for x in inner_tensors(t))
     return n
 
 
@@ -103,6 +116,9 @@ def allocated_bytes(obj) -> int:
     seen, total, stack, visited = set(), 0, [obj], set()
     while stack:
         o = stack.pop()
+        if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor and hasattr(o, "__tensor_flatten__"):
+            stack.extend(inner_tensors(o))
+            continue
         if isinstance(o, torch.Tensor):
             st = o.untyped_storage()
             key = (st.data_ptr(), o.device)
@@ -123,13 +139,18 @@ def allocated_bytes(obj) -> int:
 
 
 def make_cache(model, ids, args, name: str, preset: Optional[str]):
-    """The cache of one row: transformers' DynamicCache or StaticCache (FP16), kvq's
-    QuantizedCache or (rows named "static ...") StaticQuantizedCache.  Static caches are
-    compileable, so generate compiles their decode step on CUDA (CUDA graphs)."""
-    from transformers import DynamicCache, StaticCache
+    """The cache of one row: transformers' DynamicCache, StaticCache (FP16) or QuantizedCache
+    (rows named "QuantizedCache (transformers quanto intN ...)"), kvq's QuantizedCache or (rows
+    named "static ...") StaticQuantizedCache.  Static caches are compileable, so generate
+    compiles their decode step on CUDA (CUDA graphs)."""
+    from transformers import DynamicCache, QuantizedCache, StaticCache
     B, L = ids.shape
     if preset is None:
         model.set_attn_implementation("sdpa")
+        if name.startswith(PEER):
+            bits = int(name[len(PEER):].split(",")[0])
+            return QuantizedCache(backend="quanto", config=model.config, nbits=bits, q_group_size=64,
+                                  residual_length=128)
         if name.startswith("StaticCache"):
             return StaticCache(config=model.config, max_cache_len=L + args.new)
         return DynamicCache()
@@ -315,6 +336,8 @@ def main(argv=None) -> int:
                    help="FP16 rows, a comma list: 'dynamic' (DynamicCache, SDPA as torch dispatches it), "
                    "'dynamic-nocudnn' (DynamicCache, SDPA with its cuDNN backend excluded: on Hopper it "
                    "builds a new plan for every new key length), 'static' (StaticCache, compiled); or 'none'")
+    p.add_argument("--peers", default="", help="transformers' own QuantizedCache rows (quanto backend, eager, "
+                   "SDPA without cuDNN; needs optimum-quanto): comma list of int4, int2")
     p.add_argument("--fp16-prefill-chunk", type=int, default=131072,
                    help="FP16 rows prefill in chunks of this many tokens over the batch (generate's "
                    "prefill_chunk_size), so that a full-precision prefill's activations fit next to its "
@@ -351,9 +374,13 @@ def main(argv=None) -> int:
     fp16 = [] if args.fp16 == "none" else args.fp16.split(",")
     if set(fp16) - {"dynamic", "dynamic-nocudnn", "static"}:
         p.error(f"--fp16 {args.fp16!r}: expected a comma list of dynamic, dynamic-nocudnn, static, or none")
+    peers = [x for x in args.peers.split(",") if x]
+    if set(peers) - {"int4", "int2"}:
+        p.error(f"--peers {args.peers!r}: expected a comma list of int4, int2")
     names = (["DynamicCache (FP16)"] if "dynamic" in fp16 else []) + \
         (["DynamicCache (FP16, SDPA without cuDNN)"] if "dynamic-nocudnn" in fp16 else []) + \
-        (["StaticCache (FP16, compiled)"] if "static" in fp16 else []) + presets + \
+        (["StaticCache (FP16, compiled)"] if "static" in fp16 else []) + \
+        [f"{PEER}{b[3:]}, SDPA without cuDNN)" for b in peers] + presets + \
         [f"static {n}" for n in args.static.split(",") if n]
     import transformers
     torch.manual_seed(0)
