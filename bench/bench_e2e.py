@@ -40,6 +40,7 @@ import torch
 
 import kvquant_ext as kvq
 import kvquant_ext.hf as kh
+from kvquant_ext.cli import PEER_PREFIX, peer_cache, select_presets, stored_tensors
 from kvquant_ext.attention import sdpa_without_cudnn
 
 GIB = 1024 ** 3
@@ -89,15 +90,6 @@ def build_model(args, device, dtype):
     return model.eval()
 
 
-def inner_tensors(t: torch.Tensor) -> List[torch.Tensor]:
-    """The plain tensors that hold a tensor's data: itself, or for a tensor subclass (the
-    packed codes, scales and shifts of an optimum-quanto tensor) its inner tensors."""
-    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
-        return [t]
-    names, _ = t.__tensor_flatten__()
-    return [x for n in names for x in inner_tensors(getattr(t, n))]
-
-
 def cache_bytes(cache) -> int:
     if isinstance(cache, (kh.QuantizedCache, kh.StaticQuantizedCache)):
         return cache.nbytes
@@ -106,7 +98,7 @@ def cache_bytes(cache) -> int:
         for name in ("keys", "values", "_quantized_keys", "_quantized_values"):
             t = getattr(layer, name, None)
             if isinstance(t, torch.Tensor):
-                n += sum(x.numel() * x.element_size() for x in inner_tensors(t))
+                n += sum(x.numel() * x.element_size() for x in stored_tensors(t))
     return n
 
 
@@ -117,7 +109,7 @@ def allocated_bytes(obj) -> int:
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor) and type(o) is not torch.Tensor and hasattr(o, "__tensor_flatten__"):
-            stack.extend(inner_tensors(o))
+            stack.extend(stored_tensors(o))
             continue
         if isinstance(o, torch.Tensor):
             st = o.untyped_storage()
@@ -143,14 +135,12 @@ def make_cache(model, ids, args, name: str, preset: Optional[str]):
     (rows named "QuantizedCache (transformers quanto intN ...)"), kvq's QuantizedCache or (rows
     named "static ...") StaticQuantizedCache.  Static caches are compileable, so generate
     compiles their decode step on CUDA (CUDA graphs)."""
-    from transformers import DynamicCache, QuantizedCache, StaticCache
+    from transformers import DynamicCache, StaticCache
     B, L = ids.shape
     if preset is None:
         model.set_attn_implementation("sdpa")
         if name.startswith(PEER):
-            bits = int(name[len(PEER):].split(",")[0])
-            return QuantizedCache(backend="quanto", config=model.config, nbits=bits, q_group_size=64,
-                                  residual_length=128)
+            return peer_cache(PEER_PREFIX + "int" + name[len(PEER):].split(",")[0], model.config)
         if name.startswith("StaticCache"):
             return StaticCache(config=model.config, max_cache_len=L + args.new)
         return DynamicCache()
@@ -367,7 +357,6 @@ def main(argv=None) -> int:
         return 1
     dtype = getattr(torch, args.dtype)
 
-    from kvquant_ext.cli import select_presets
     presets = [] if args.presets == "none" else list(select_presets(args.presets))
     if args.presets not in ("all", "none") and "fp16" not in args.presets.split(","):
         presets.remove("fp16")  # the FP16 rows are transformers' own caches (--fp16)

@@ -44,6 +44,8 @@ def no_model_loading(monkeypatch):
     (["eval", "--dtype", "float8"], ["--dtype", "float8"]),
     (["eval", "--prefill", "1"], ["--prefill"]),
     (["eval", "--threads", "-1"], ["--threads"]),
+    (["eval", "--peers", "int4,int3"], ["--peers", "'int3'", "int2"]),
+    (["eval", "--peers", "int4", "--task", "retrieval"], ["--peers", "quality"]),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, names, no_model_loading, capsys):
     assert cli.main(argv) == 2
@@ -173,6 +175,33 @@ def test_eval_json_schema(tiny_model_dir, tmp_path, capsys):
     assert k2["kld"] > k4["kld"] > 1e-7  # fewer bits move the distribution further
     if "--plot" in args:
         assert ppath.stat().st_size > 1000
+
+
+def test_eval_peer_rows_score_transformers_quantized_cache(tiny_model_dir, tmp_path):
+    """--peers: transformers' QuantizedCache (quanto) scored like a preset.  Its bytes are the
+    packed codes, the float32 scale and shift of each group of 64 and the full-precision
+    residual of the 151 tokens it holds (139 prefilled and quantized, then 12 scored into the
+    residual), exactly; fewer bits cost more error and KL."""
+    pytest.importorskip("optimum.quanto")
+    p = tmp_path / "peers.json"
+    assert cli.main(["eval", "--model", str(tiny_model_dir), "--text", str(tiny_model_dir / "text.txt"),
+                     "--prefill", "140", "--continuation", "12", "--generate", "6", "--presets", "kivi-4",
+                     "--peers", "int4,int2", "--device", "cpu", "--json", str(p), "--quiet"]) == 0
+    doc = json.loads(p.read_text())
+    assert list(doc["results"]) == ["fp16", "kivi-4", "transformers-quanto-int4", "transformers-quanto-int2"]
+    q4, q2 = doc["results"]["transformers-quanto-int4"], doc["results"]["transformers-quanto-int2"]
+    H, D, layers = 2, 64, 2
+    for bits, r in ((4, q4), (2, q2)):
+        for f in SCHEMA_FIELDS:
+            assert isinstance(r[f], (int, float)), (bits, f)
+        groups = 139 * H * D // 64  # quanto packs 8 / bits rows of 64 codes into one row of bytes
+        role = -(-groups // (8 // bits)) * 64 + groups * 2 * 4 + 12 * H * D * 4
+        assert r["kv_bytes"] == 2 * layers * role, bits
+        assert r["kv_bytes_fp16"] == 2 * layers * 151 * H * D * 2
+        assert r["bits_per_element"] == pytest.approx(8 * r["kv_bytes"] / (2 * layers * 151 * H * D))
+        assert r["peer"].startswith("transformers QuantizedCache")
+    assert 0 < q4["key_rel_error"] < q2["key_rel_error"] < 1 and 0 < q4["value_rel_error"] < q2["value_rel_error"]
+    assert 0 < q4["kld"] < q2["kld"]
 
 
 def test_eval_chunked_decode_matches_token_by_token_for_fp16(tiny_model_dir, tmp_path):

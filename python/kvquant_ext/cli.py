@@ -512,6 +512,88 @@ def run_preset(model, ids: torch.Tensor, prefill: int, continuation: int, genera
     return res
 
 
+# ----------------------------------------------------------------------------- peers
+PEER_PREFIX = "transformers-quanto-"
+PEER_BITS = {"int4": 4, "int2": 2}
+
+
+def peer_names(spec: str) -> List[str]:
+    """``--peers`` (a comma list of int4, int2, or '') -> row names ``transformers-quanto-intN``."""
+    names = [x for x in spec.split(",") if x]
+    bad = [x for x in names if x not in PEER_BITS]
+    if bad:
+        raise UsageError(f"--peers: unknown {', '.join(map(repr, bad))}; expected a comma list of "
+                         f"{', '.join(PEER_BITS)}")
+    return [PEER_PREFIX + x for x in names]
+
+
+def peer_cache(name: str, model_config):
+    """Transformers' own ``QuantizedCache`` with the quanto backend (needs optimum-quanto) at
+    the bits of row ``name``, otherwise at transformers' defaults (groups of 64, a 128-token
+    full-precision residual): the peer users compare kvq's presets against."""
+    from transformers import QuantizedCache
+    return QuantizedCache(backend="quanto", config=model_config, nbits=PEER_BITS[name[len(PEER_PREFIX):]])
+
+
+def stored_tensors(t: torch.Tensor) -> List[torch.Tensor]:
+    """The plain tensors holding a tensor's data: itself, or for a tensor subclass (an
+    optimum-quanto tensor: packed codes, scales, shifts) its inner tensors, recursively."""
+    if type(t) is torch.Tensor or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [x for n in names for x in stored_tensors(getattr(t, n))]
+
+
+def peer_stats(cache, kvs) -> Dict[str, float]:
+    """Bytes (every stored tensor of every layer) and key / value relative reconstruction error
+    of what a transformers ``QuantizedCache`` holds, against the reference K/V of the same
+    tokens."""
+    nbytes = numel = 0
+    err = {"keys": [0.0, 0.0], "values": [0.0, 0.0]}
+    for layer, ref in zip(cache.layers, kvs):
+        for role, x in zip(("keys", "values"), ref):
+            q, res = getattr(layer, "_quantized_" + role), getattr(layer, role)
+            held = layer._dequantize(q)
+            if res.dim() == 4:
+                held = torch.cat([held, res], dim=-2)
+            x = x[:, :, :held.shape[-2]].float()
+            err[role][0] += (held.float() - x).pow(2).sum().item()
+            err[role][1] += x.pow(2).sum().item()
+            nbytes += sum(t.numel() * t.element_size() for t in (*stored_tensors(q), res))
+            numel += held.numel()
+    return {"kv_bytes": int(nbytes), "kv_bytes_fp16": int(2 * numel), "bits_per_element": 8.0 * nbytes / numel,
+            "key_rel_error": math.sqrt(err["keys"][0] / max(err["keys"][1], 1e-30)),
+            "value_rel_error": math.sqrt(err["values"][0] / max(err["values"][1], 1e-30))}
+
+
+def run_peer(model, ids: torch.Tensor, prefill: int, continuation: int, generate: int, chunk: int, name: str,
+             kvs, ref_lp: torch.Tensor, ref_tokens: Optional[torch.Tensor], *, quiet: bool) -> Dict[str, object]:
+    """:func:`run_preset`'s scores for the peer row ``name`` (the same prefill, chunk schedule
+    and greedy generation), with its bytes and errors from :func:`peer_stats` over the tokens
+    the cache holds at the end."""
+    from .hf import cache_kwarg
+    cache = peer_cache(name, model.config)
+    with torch.no_grad():
+        _forward(model, ids[:, :prefill - 1], cache, logits_to_keep=1)
+    res: Dict[str, object] = {}
+    scores, _ = _score_chunks(model, ids, prefill, continuation, chunk, cache, ref_lp, quiet=quiet,
+                              desc=f"{name} stream")
+    res.update(peer_stats(cache, kvs))
+    res.update(scores)
+    res["peer"] = "transformers QuantizedCache, quanto backend, defaults but nbits"
+    if generate > 0:
+        prompt = ids[:, :prefill]
+        with torch.no_grad():
+            gen = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 max_new_tokens=generate, min_new_tokens=generate, do_sample=False,
+                                 pad_token_id=_pad_id(model),
+                                 **{cache_kwarg(model): peer_cache(name, model.config)})
+        res["tokens"] = gen[0, prefill:].cpu()
+        if ref_tokens is not None:
+            res.update(_agreement(res["tokens"], ref_tokens))
+    return res
+
+
 def _pad_id(model) -> int:
     gc = getattr(model, "generation_config", None)
     for v in (getattr(gc, "pad_token_id", None), getattr(gc, "eos_token_id", None),
@@ -801,24 +883,28 @@ def _number_list(spec: str, arg: str, kind, ok, expected: str) -> list:
     return vals
 
 
-def _quality(args, model, ids, presets, results, skipped) -> float:
-    """The quality task: every preset's scores into ``results`` (failures into ``skipped``);
-    returns the uncompressed model's perplexity of the continuation."""
+def _quality(args, model, ids, presets, results, skipped, peers=()) -> float:
+    """The quality task: every preset's and peer's scores into ``results`` (failures into
+    ``skipped``); returns the uncompressed model's perplexity of the continuation."""
     P, C, N = args.prefill, args.continuation, args.generate
     kvs = reference_kv(model, ids)
     kinds = layer_kinds(model.config)
     ref_lp, ref_ppl = reference_log_probs(model, ids, P, C, args.chunk, quiet=args.quiet)
     ref_tokens = reference_generate(model, ids, P, N) if N > 0 else None
-    bar = _progress(presets, desc="presets", disable=args.quiet)
+    bar = _progress([*presets, *peers], desc="presets", disable=args.quiet)
     for name in bar:
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(name)
         ts = time.time()
         try:
-            config = preset_config(name)
-            r: Dict[str, object] = dict(compression_stats(kvs, config, P, args.chunk, kinds))
-            r.update(run_preset(model, ids, P, C, N, args.chunk, config, ref_lp, ref_tokens,
-                                kvs=kvs if args.prefix_only else None, quiet=args.quiet, desc=name))
+            if name in peers:
+                r: Dict[str, object] = run_peer(model, ids, P, C, N, args.chunk, name, kvs, ref_lp, ref_tokens,
+                                                quiet=args.quiet)
+            else:
+                config = preset_config(name)
+                r = dict(compression_stats(kvs, config, P, args.chunk, kinds))
+                r.update(run_preset(model, ids, P, C, N, args.chunk, config, ref_lp, ref_tokens,
+                                    kvs=kvs if args.prefix_only else None, quiet=args.quiet, desc=name))
         except Exception as e:  # one broken preset must not sink the table
             skipped[name] = f"{type(e).__name__}: {e}"
             _note(f"preset {name!r} failed and is left out: {skipped[name]}")
@@ -832,7 +918,10 @@ def cmd_eval(args) -> int:
     t0 = time.time()
     # every argument is checked before anything is loaded
     presets = select_presets(args.presets)
+    peers = peer_names(args.peers)
     tasks = _tasks(args.task)
+    if peers and tasks != {"quality"}:
+        raise UsageError("--peers runs with --task quality only")
     lengths = (_number_list(args.lengths, "--lengths", int, lambda v: v >= 1, "positive token counts")
                if "retrieval" in tasks else [])
     depths = (_number_list(args.depths, "--depths", float, lambda v: 0.0 <= v <= 1.0, "fractions in [0, 1]")
@@ -870,13 +959,13 @@ def cmd_eval(args) -> int:
         what.append(f"retrieval: lengths {','.join(map(str, lengths))}, depths "
                     f"{','.join(f'{d:g}' for d in depths)}, {args.trials} trial(s)")
     _note(f"model {model_name} on {device}/{str(dtype).replace('torch.', '')}, text {text_name}; "
-          f"{'; '.join(what)}; presets: {', '.join(presets)}  [load {time.time() - t0:.1f}s]")
+          f"{'; '.join(what)}; presets: {', '.join([*presets, *peers])}  [load {time.time() - t0:.1f}s]")
 
     results: Dict[str, Dict[str, object]] = {}
     skipped: Dict[str, str] = {}
     ref_ppl = None
     if "quality" in tasks:
-        ref_ppl = _quality(args, model, ids, presets, results, skipped)
+        ref_ppl = _quality(args, model, ids, presets, results, skipped, peers)
     retrieval = None
     if "retrieval" in tasks:
         prompts = retrieval_prompts(tok, text, lengths, depths, args.trials)
@@ -1044,6 +1133,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--presets", default="all", help="comma-separated preset names or 'all' "
                    "(default; every preset registered in kvq.PRESETS); a name may carry config "
                    "overrides, NAME:field=value[:field=value], e.g. hqmq-3.79:recent_window=64")
+    e.add_argument("--peers", default="", help="also score transformers' own QuantizedCache (quanto "
+                   "backend, its defaults; needs optimum-quanto) at these widths: a comma list of int4, "
+                   "int2 (rows transformers-quanto-intN; --task quality only)")
     e.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     e.add_argument("--dtype", default="auto", help="model dtype: auto (float32 on CPU, float16 on "
                    "CUDA), float16, bfloat16, float32")
