@@ -288,6 +288,12 @@ def test_ops_opcheck(preset):
     torch.library.opcheck(torch.ops.kvq.paged_append.default,
                           (layer.k_fp.clone(), layer.v_fp.clone(), k, k, slots),
                           test_utils=("test_schema", "test_faketensor"))
+    if preset == "kivi-2":  # with page compression: every compressed pool is mutated in place
+        pools = tuple(t.clone() for t in layer.comp_tensors())
+        torch.library.opcheck(torch.ops.kvq.paged_append.default,
+                              (layer.k_fp.clone(), layer.v_fp.clone(), k, k, slots, *pools,
+                               torch.tensor([1, 2]), torch.tensor([1, 0]), 2, True, False),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def append_ref(k_fp, v_fp, k, v, slots):
