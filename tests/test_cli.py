@@ -177,6 +177,13 @@ def test_eval_json_schema(tiny_model_dir, tmp_path, capsys):
         assert ppath.stat().st_size > 1000
 
 
+def test_eval_peers_need_their_package(monkeypatch, no_model_loading, capsys):
+    monkeypatch.setattr(cli, "_has_module", lambda name: name != "optimum.quanto")
+    assert cli.main(["eval", "--peers", "int4"]) == 2
+    err = capsys.readouterr().err
+    assert "--peers" in err and "optimum-quanto" in err, err
+
+
 def test_eval_peer_rows_score_transformers_quantized_cache(tiny_model_dir, tmp_path):
     """--peers: transformers' QuantizedCache (quanto) scored like a preset.  Its bytes are the
     packed codes, the float32 scale and shift of each group of 64 and the full-precision

@@ -131,6 +131,14 @@ def select_presets(spec: Optional[str]) -> List[str]:
     return ["fp16"] + names
 
 
+def _has_module(name: str) -> bool:
+    """Is module ``name`` (dotted) installed?  Imports its parent packages only."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 # ----------------------------------------------------------------------------- text
 def _package_dir(name: str) -> Optional[str]:
     spec = importlib.util.find_spec(name)  # locates a top-level package without importing it
@@ -518,12 +526,15 @@ PEER_BITS = {"int4": 4, "int2": 2}
 
 
 def peer_names(spec: str) -> List[str]:
-    """``--peers`` (a comma list of int4, int2, or '') -> row names ``transformers-quanto-intN``."""
+    """``--peers`` (a comma list of int4, int2, or '') -> row names ``transformers-quanto-intN``;
+    the peer's package must be installed."""
     names = [x for x in spec.split(",") if x]
     bad = [x for x in names if x not in PEER_BITS]
     if bad:
         raise UsageError(f"--peers: unknown {', '.join(map(repr, bad))}; expected a comma list of "
                          f"{', '.join(PEER_BITS)}")
+    if names and not _has_module("optimum.quanto"):
+        raise UsageError("--peers needs optimum-quanto (pip install optimum-quanto; it is in the eval extra)")
     return [PEER_PREFIX + x for x in names]
 
 
