@@ -40,11 +40,11 @@ import torch
 
 import kvquant_ext as kvq
 import kvquant_ext.hf as kh
-from kvquant_ext.cli import PEER_PREFIX, peer_cache, select_presets, stored_tensors
+from kvquant_ext.cli import PEER_PREFIX, UsageError, peer_cache, peer_names, select_presets, stored_tensors
 from kvquant_ext.attention import sdpa_without_cudnn
 
 GIB = 1024 ** 3
-PEER = "QuantizedCache (transformers quanto int"  # + "4, SDPA without cuDNN)"
+PEER_ROW = "QuantizedCache ({}, SDPA without cuDNN)"  # a peer's row name
 
 
 class StepClock:
@@ -132,15 +132,15 @@ def allocated_bytes(obj) -> int:
 
 def make_cache(model, ids, args, name: str, preset: Optional[str]):
     """The cache of one row: transformers' DynamicCache, StaticCache (FP16) or QuantizedCache
-    (rows named "QuantizedCache (transformers quanto intN ...)"), kvq's QuantizedCache or (rows
+    (rows named PEER_ROW of a peer of kvq eval --peers), kvq's QuantizedCache or (rows
     named "static ...") StaticQuantizedCache.  Static caches are compileable, so generate
     compiles their decode step on CUDA (CUDA graphs)."""
     from transformers import DynamicCache, StaticCache
     B, L = ids.shape
     if preset is None:
         model.set_attn_implementation("sdpa")
-        if name.startswith(PEER):
-            return peer_cache(PEER_PREFIX + "int" + name[len(PEER):].split(",")[0], model.config)
+        if PEER_PREFIX in name:
+            return peer_cache(name[name.index(PEER_PREFIX):].split(",")[0], model.config)
         if name.startswith("StaticCache"):
             return StaticCache(config=model.config, max_cache_len=L + args.new)
         return DynamicCache()
@@ -363,13 +363,14 @@ def main(argv=None) -> int:
     fp16 = [] if args.fp16 == "none" else args.fp16.split(",")
     if set(fp16) - {"dynamic", "dynamic-nocudnn", "static"}:
         p.error(f"--fp16 {args.fp16!r}: expected a comma list of dynamic, dynamic-nocudnn, static, or none")
-    peers = [x for x in args.peers.split(",") if x]
-    if set(peers) - {"int4", "int2"}:
-        p.error(f"--peers {args.peers!r}: expected a comma list of int4, int2")
+    try:
+        peers = peer_names(args.peers)
+    except UsageError as e:
+        p.error(str(e))
     names = (["DynamicCache (FP16)"] if "dynamic" in fp16 else []) + \
         (["DynamicCache (FP16, SDPA without cuDNN)"] if "dynamic-nocudnn" in fp16 else []) + \
         (["StaticCache (FP16, compiled)"] if "static" in fp16 else []) + \
-        [f"{PEER}{b[3:]}, SDPA without cuDNN)" for b in peers] + presets + \
+        [PEER_ROW.format(n) for n in peers] + presets + \
         [f"static {n}" for n in args.static.split(",") if n]
     import transformers
     torch.manual_seed(0)

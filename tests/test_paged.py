@@ -443,7 +443,8 @@ def test_paged_append_refuses_pairs_outside_the_pools_on_cpu():
                                         torch.Generator().manual_seed(0))
     before = [t.clone() for t in comp]
     none, slots = torch.empty(0, 1, 64, dtype=torch.float16), torch.empty(0, dtype=torch.int64)
-    for src, dst, name in (([1, 3], [1, 2], "compress_src.*entry 1 is 3"), ([1, 2], [-1, 2], "compress_dst.*entry 0 is -1")):
+    for src, dst, name in (([1, 3], [1, 2], "compress_src.*entry 1 is 3"),
+                           ([1, 2], [-1, 2], "compress_dst.*entry 0 is -1")):
         with pytest.raises(RuntimeError, match=name):
             kvq.ops.paged_append(k_fp, v_fp, none, none, slots, *comp, compress_src=torch.tensor(src),
                                  compress_dst=torch.tensor(dst))

@@ -63,7 +63,8 @@ cudaError_t paged_write_rows_cuda(const PagedWriteParams& p, cudaStream_t stream
 
 cudaError_t paged_compress_cuda(const PagedCompressParams& p, DTypeId dtype, cudaStream_t stream) {
   return KVQ_DISPATCH_DTYPE(dtype, DType, [&]() -> cudaError_t {
-    return KVQ_DISPATCH_BITS(p.bits, BITS, [&]() -> cudaError_t { return LaunchPagedCompress<DType, BITS>(p, stream); });
+    return KVQ_DISPATCH_BITS(p.bits, BITS,
+                             [&]() -> cudaError_t { return LaunchPagedCompress<DType, BITS>(p, stream); });
   });
 }
 

@@ -18,8 +18,8 @@ full-precision ones) are tensor arithmetic on the row's length, a device tensor.
 
 A decode step (one token per row) therefore runs device launches only: ``paged_append`` with
 one slot and one (src, dst) page pair per row (scratch page 0 -> scratch page 0 for rows with
-nothing to compress, which ``paged_append`` skips), the lengths advanced in place, ``paged_decode_plan`` and the paged
-attention op.  HQMQ codes are per token, so an HQMQ layer encodes each token into its slot of
+nothing to compress, which ``paged_append`` skips), the lengths advanced in place,
+``paged_decode_plan`` and the paged attention op.  HQMQ codes are per token, so an HQMQ layer encodes each token into its slot of
 the compressed pages as it writes it (B tokens per step, no page pairs): a page that leaves the
 window is already encoded, with the codes the whole page would get.  The per-step state lives
 in tensors mutated in place (marked as static addresses for CUDA graphs); the Python state
@@ -174,9 +174,8 @@ class StaticQuantizedLayer(CacheLayerMixin):
         or past max_cache_len, is not stored (slot -1) and does not count.  Group-quantized pages
         are compressed when they leave the recent window: with t <= P at most one page per row
         does, so one (src, dst) pair per row suffices (scratch page 0 -> 0, skipped, for the rows
-        with none),
-        and the ring (W/P + 2 pages) still holds that page, since the tokens land on the row's
-        current page and the next one.  HQMQ tokens are encoded as they are written."""
+        with none), and the ring (W/P + 2 pages) still holds that page, since the tokens land on
+        the row's current page and the next one.  HQMQ tokens are encoded as they are written."""
         p, lay = self.parent, self.layout
         B, H, t, D = k.shape
         P, W = p.page_size, p.recent_window
