@@ -161,8 +161,10 @@ def run_one(model, ids, args, name: str, preset: Optional[str], device, cache=No
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     extra = {}
-    if preset is None and args.fp16_prefill_chunk and ids.numel() > args.fp16_prefill_chunk:
-        extra["prefill_chunk_size"] = max(1, args.fp16_prefill_chunk // ids.shape[0])
+    chunk = args.fp16_prefill_chunk if preset is None else \
+        args.static_prefill_chunk if name.startswith("static chunked ") else 0
+    if chunk and ids.numel() > chunk:
+        extra["prefill_chunk_size"] = max(1, chunk // ids.shape[0])
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -332,6 +334,10 @@ def main(argv=None) -> int:
                    help="FP16 rows prefill in chunks of this many tokens over the batch (generate's "
                    "prefill_chunk_size), so that a full-precision prefill's activations fit next to its "
                    "cache; 0: one pass")
+    p.add_argument("--static-prefill-chunk", type=int, default=0,
+                   help="also run every --static preset as a row 'static chunked PRESET' that prefills in "
+                   "chunks of this many tokens over the batch (the chunks after the first attend to the "
+                   "compressed pages already written); 0: no such rows")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--mem-gib", type=float, default=80.0, help="GPU memory of the max-batch column (default 80)")
@@ -371,7 +377,8 @@ def main(argv=None) -> int:
         (["DynamicCache (FP16, SDPA without cuDNN)"] if "dynamic-nocudnn" in fp16 else []) + \
         (["StaticCache (FP16, compiled)"] if "static" in fp16 else []) + \
         [PEER_ROW.format(n) for n in peers] + presets + \
-        [f"static {n}" for n in args.static.split(",") if n]
+        [f"static {n}" for n in args.static.split(",") if n] + \
+        ([f"static chunked {n}" for n in args.static.split(",") if n] if args.static_prefill_chunk > 0 else [])
     import transformers
     torch.manual_seed(0)
     copy_bw = copy_bandwidth(device)
