@@ -6,14 +6,16 @@ excluded, which on Hopper re-plans for every new key length) and ``StaticCache``
 compiled by generate: CUDA graphs), transformers' own ``QuantizedCache`` with the quanto backend
 (int4 / int2 keys and values, residual window of 128 tokens; needs ``optimum-quanto``) for
 ``--peers``, ``kvq.hf.QuantizedCache`` (eager) for ``--presets`` and
-``kvq.hf.StaticQuantizedCache`` (compiled by generate) for ``--static``.
+``kvq.hf.StaticQuantizedCache`` (compiled by generate) for ``--static``; ``--fp16 static-nograph``
+adds StaticCache compiled in inductor's default mode, without CUDA graphs.
 
 The model is a **Llama-3-8B-shaped** ``LlamaForCausalLM`` with random weights (hidden 4096,
 32 query / 8 KV heads, head dim 128, MLP 14336, vocab 128256) and ``--layers`` (default all
 32) decoder layers: weights do not change the kernels that run.
 
 Per row: prefill s; ms/step and tokens/s of the decode steps (timed inside ``generate`` by a
-logits processor that synchronises the device at every step; prefill excluded); the floor =
+logits processor that synchronises the device at every step; prefill excluded), and the median
+and slowest single step (a step that compresses pages shows as the slowest); the floor =
 (weights a step reads + the cache's stored bytes) / the device-to-device copy rate measured in
 the same run; peak memory during the prefill, steady memory at the last decode step (weights
 included) and its slack over weights + the cache's allocated bytes; and the largest batch of
@@ -45,6 +47,7 @@ from kvquant_ext.attention import sdpa_without_cudnn
 
 GIB = 1024 ** 3
 PEER_ROW = "QuantizedCache ({}, SDPA without cuDNN)"  # a peer's row name
+NOGRAPH = "compiled without CUDA graphs)"  # the end of the StaticCache row compiled in inductor's default mode
 
 
 class StepClock:
@@ -165,6 +168,9 @@ def run_one(model, ids, args, name: str, preset: Optional[str], device, cache=No
         args.static_prefill_chunk if name.startswith("static chunked ") else 0
     if chunk and ids.numel() > chunk:
         extra["prefill_chunk_size"] = max(1, chunk // ids.shape[0])
+    if name.endswith(NOGRAPH):
+        from transformers import CompileConfig
+        extra["compile_config"] = CompileConfig(mode="default")
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -178,12 +184,14 @@ def run_one(model, ids, args, name: str, preset: Optional[str], device, cache=No
     steps = len(clock.times)
     assert out.shape[1] == P + args.new and steps == args.new, (out.shape, steps)
     decode_s = clock.times[-1] - clock.times[0]
+    steps_ms = sorted(1e3 * (b - a) for a, b in zip(clock.times, clock.times[1:])) or [float("nan")]
     nbytes = cache_bytes(cache)
     alloc = allocated_bytes(cache)
     tokens = B * (P + args.new - 1)  # the last generated token is never written to the cache
     res = {"prefill_s": clock.times[0] - t0, "total_s": t1 - t0,
            "decode_tok_s": B * (steps - 1) / decode_s if decode_s > 0 else float("nan"),
            "ms_per_step": 1e3 * decode_s / (steps - 1) if steps > 1 else float("nan"),
+           "step_ms_p50": steps_ms[len(steps_ms) // 2], "step_ms_max": steps_ms[-1],
            "prefill_chunk": extra.get("prefill_chunk_size", 0),
            "prefill_peak_bytes": clock.prefill_peak, "steady_bytes": clock.steady,
            "kv_bytes": nbytes, "kv_alloc_bytes": alloc,
@@ -284,9 +292,9 @@ def bench_cell(model, args, device, B: int, L: int, names: List[str], log, rows:
 def table(results, args, weights: int, step_w: int, copy_bw: float) -> List[str]:
     """The markdown table of every cell."""
     lines = ["| B | prompt | cache | bits/elem | KV GiB stored / alloc | prefill s | prefill peak GiB | "
-             "steady GiB (slack) | ms/step | floor ms | × floor | tok/s | vs best FP16 | "
+             "steady GiB (slack) | ms/step | step p50 / max ms | floor ms | × floor | tok/s | vs best FP16 | "
              f"max batch @ {args.context // 1024}k, {args.mem_gib:g} GiB |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     budget = args.mem_gib * GIB - weights
     for key, rows in results.items():
         B, L = (int(x) for x in key.split("x"))
@@ -295,7 +303,7 @@ def table(results, args, weights: int, step_w: int, copy_bw: float) -> List[str]
         best = min(fp16) if fp16 else None
         for name, r in rows.items():
             if "error" in r:
-                lines.append(f"| {B} | {L} | {name} | failed: {r['error']} |||||||||||")
+                lines.append(f"| {B} | {L} | {name} | failed: {r['error']} ||||||||||||")
                 continue
             floor = 1e3 * (step_w + r["kv_bytes"]) / copy_bw
             slack = r["steady_bytes"] - weights - r["kv_alloc_bytes"]
@@ -308,7 +316,8 @@ def table(results, args, weights: int, step_w: int, copy_bw: float) -> List[str]
                 f"| {B} | {L} | {name}{chunk} | {r['bits_per_element']:.2f} | {r['kv_bytes'] / GIB:.3f} / "
                 f"{r['kv_alloc_bytes'] / GIB:.3f} | {r['prefill_s']:.2f} | {r['prefill_peak_bytes'] / GIB:.1f} | "
                 f"{r['steady_bytes'] / GIB:.2f} ({100 * slack / max(1, r['kv_alloc_bytes'] + weights):+.1f} %) | "
-                f"{r['ms_per_step']:.2f} | {floor:.2f} | {r['ms_per_step'] / floor:.2f} | "
+                f"{r['ms_per_step']:.2f} | {r.get('step_ms_p50', float('nan')):.2f} / "
+                f"{r.get('step_ms_max', float('nan')):.2f} | {floor:.2f} | {r['ms_per_step'] / floor:.2f} | "
                 f"{r['decode_tok_s']:.0f} | {vs} | {maxb} |")
     return lines
 
@@ -327,7 +336,8 @@ def main(argv=None) -> int:
     p.add_argument("--fp16", default="dynamic,dynamic-nocudnn,static",
                    help="FP16 rows, a comma list: 'dynamic' (DynamicCache, SDPA as torch dispatches it), "
                    "'dynamic-nocudnn' (DynamicCache, SDPA with its cuDNN backend excluded: on Hopper it "
-                   "builds a new plan for every new key length), 'static' (StaticCache, compiled); or 'none'")
+                   "builds a new plan for every new key length), 'static' (StaticCache, compiled with CUDA graphs), 'static-nograph' (StaticCache, "
+                   "compiled in inductor's default mode: no CUDA graphs); or 'none'")
     p.add_argument("--peers", default="", help="transformers' own QuantizedCache rows (quanto backend, eager, "
                    "SDPA without cuDNN; needs optimum-quanto): comma list of int4, int2")
     p.add_argument("--fp16-prefill-chunk", type=int, default=131072,
@@ -367,8 +377,9 @@ def main(argv=None) -> int:
     if args.presets not in ("all", "none") and "fp16" not in args.presets.split(","):
         presets.remove("fp16")  # the FP16 rows are transformers' own caches (--fp16)
     fp16 = [] if args.fp16 == "none" else args.fp16.split(",")
-    if set(fp16) - {"dynamic", "dynamic-nocudnn", "static"}:
-        p.error(f"--fp16 {args.fp16!r}: expected a comma list of dynamic, dynamic-nocudnn, static, or none")
+    if set(fp16) - {"dynamic", "dynamic-nocudnn", "static", "static-nograph"}:
+        p.error(f"--fp16 {args.fp16!r}: expected a comma list of dynamic, dynamic-nocudnn, static, "
+                "static-nograph, or none")
     try:
         peers = peer_names(args.peers)
     except UsageError as e:
@@ -376,6 +387,7 @@ def main(argv=None) -> int:
     names = (["DynamicCache (FP16)"] if "dynamic" in fp16 else []) + \
         (["DynamicCache (FP16, SDPA without cuDNN)"] if "dynamic-nocudnn" in fp16 else []) + \
         (["StaticCache (FP16, compiled)"] if "static" in fp16 else []) + \
+        (["StaticCache (FP16, " + NOGRAPH] if "static-nograph" in fp16 else []) + \
         [PEER_ROW.format(n) for n in peers] + presets + \
         [f"static {n}" for n in args.static.split(",") if n] + \
         ([f"static chunked {n}" for n in args.static.split(",") if n] if args.static_prefill_chunk > 0 else [])
