@@ -149,7 +149,9 @@ def make_cache(model, ids, args, name: str, preset: Optional[str]):
         return DynamicCache()
     kh.enable(model)
     if name.startswith("static "):
-        return kh.StaticQuantizedCache(preset, model.config, max_batch_size=B, max_cache_len=L + args.new)
+        page = int(name.rsplit(" P=", 1)[1]) if " P=" in name else None
+        return kh.StaticQuantizedCache(preset, model.config, max_batch_size=B, max_cache_len=L + args.new,
+                                       page_size=page)
     return kh.QuantizedCache(kvq.get_config(preset), model.config)
 
 
@@ -271,7 +273,7 @@ def bench_cell(model, args, device, B: int, L: int, names: List[str], log, rows:
     ids = torch.randint(0, model.config.vocab_size, (B, L), device=device)
     warm = ids[:, :min(L, 512)]
     for name in names:
-        preset = None if name.endswith(")") else name.split(" ")[-1]
+        preset = None if name.endswith(")") else name.split(" P=")[0].split(" ")[-1]
         cell = argparse.Namespace(**{**vars(args), "batch": B, "prompt": L})
         wargs = argparse.Namespace(**{**vars(cell), "new": 4})
         try:
@@ -348,6 +350,9 @@ def main(argv=None) -> int:
                    help="also run every --static preset as a row 'static chunked PRESET' that prefills in "
                    "chunks of this many tokens over the batch (the chunks after the first attend to the "
                    "compressed pages already written); 0: no such rows")
+    p.add_argument("--static-page-size", default="",
+                   help="comma list of page sizes: each --static row runs once per page size (rows "
+                   "'static PRESET P=32', ...); default: one row at the cache's default page size")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--mem-gib", type=float, default=80.0, help="GPU memory of the max-batch column (default 80)")
@@ -381,6 +386,10 @@ def main(argv=None) -> int:
         p.error(f"--fp16 {args.fp16!r}: expected a comma list of dynamic, dynamic-nocudnn, static, "
                 "static-nograph, or none")
     try:
+        page_suffixes = [f" P={int(x)}" for x in args.static_page_size.split(",") if x] or [""]
+    except ValueError:
+        p.error("--static-page-size takes a comma list of ints")
+    try:
         peers = peer_names(args.peers)
     except UsageError as e:
         p.error(str(e))
@@ -389,7 +398,7 @@ def main(argv=None) -> int:
         (["StaticCache (FP16, compiled)"] if "static" in fp16 else []) + \
         (["StaticCache (FP16, " + NOGRAPH] if "static-nograph" in fp16 else []) + \
         [PEER_ROW.format(n) for n in peers] + presets + \
-        [f"static {n}" for n in args.static.split(",") if n] + \
+        [f"static {n}{sz}" for n in args.static.split(",") if n for sz in page_suffixes] + \
         ([f"static chunked {n}" for n in args.static.split(",") if n] if args.static_prefill_chunk > 0 else [])
     import transformers
     torch.manual_seed(0)
