@@ -106,7 +106,8 @@ def default_page_size(config: CompressionConfig) -> int:
     on the CUDA-core loop, so a small page is both fewer bytes and less time (H200, hqmq-3.79,
     B = 8: 67.9 vs 81.8 us at L = 4k, 182.4 vs 202.4 us at L = 32k for P = 32 vs 128); the
     other formats run their full-precision pages on the tensor cores and measure the same at
-    every P, so they keep the fewer, larger pages."""
+    every P, so they keep the fewer, larger pages.  (``StaticQuantizedCache`` keeps 128 for
+    every format: it writes a prompt P tokens per row at a time.)"""
     return 32 if isinstance(config, HQMQConfig) else 128
 
 
