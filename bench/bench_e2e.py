@@ -318,8 +318,7 @@ def table(results, args, weights: int, step_w: int, copy_bw: float) -> List[str]
                 f"| {B} | {L} | {name}{chunk} | {r['bits_per_element']:.2f} | {r['kv_bytes'] / GIB:.3f} / "
                 f"{r['kv_alloc_bytes'] / GIB:.3f} | {r['prefill_s']:.2f} | {r['prefill_peak_bytes'] / GIB:.1f} | "
                 f"{r['steady_bytes'] / GIB:.2f} ({100 * slack / max(1, r['kv_alloc_bytes'] + weights):+.1f} %) | "
-                f"{r['ms_per_step']:.2f} | {r.get('step_ms_p50', float('nan')):.2f} / "
-                f"{r.get('step_ms_max', float('nan')):.2f} | {floor:.2f} | {r['ms_per_step'] / floor:.2f} | "
+                f"{r['ms_per_step']:.2f} | {r['step_ms_p50']:.2f} / {r['step_ms_max']:.2f} | {floor:.2f} | {r['ms_per_step'] / floor:.2f} | "
                 f"{r['decode_tok_s']:.0f} | {vs} | {maxb} |")
     return lines
 
@@ -338,8 +337,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp16", default="dynamic,dynamic-nocudnn,static",
                    help="FP16 rows, a comma list: 'dynamic' (DynamicCache, SDPA as torch dispatches it), "
                    "'dynamic-nocudnn' (DynamicCache, SDPA with its cuDNN backend excluded: on Hopper it "
-                   "builds a new plan for every new key length), 'static' (StaticCache, compiled with CUDA graphs), 'static-nograph' (StaticCache, "
-                   "compiled in inductor's default mode: no CUDA graphs); or 'none'")
+                   "builds a new plan for every new key length), 'static' (StaticCache, compiled with CUDA "
+                   "graphs), 'static-nograph' (StaticCache, compiled in inductor's default mode: no CUDA "
+                   "graphs); or 'none'")
     p.add_argument("--peers", default="", help="transformers' own QuantizedCache rows (quanto backend, eager, "
                    "SDPA without cuDNN; needs optimum-quanto): comma list of int4, int2")
     p.add_argument("--fp16-prefill-chunk", type=int, default=131072,

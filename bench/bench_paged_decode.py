@@ -28,14 +28,16 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import kvquant_ext as kvq  # noqa: E402
 from utils import bench_gpu_time, copy_bandwidth, table  # noqa: E402
+from kvquant_ext.paged import default_page_size  # noqa: E402
 
 DEFAULT_PRESETS = ["fp16", "kivi-2", "kivi-4", "int4-per-token", "kcvt-4", "flexgen-4", "hqmq-3.79-paper"]
 H, HQ, D = 8, 32, 128
 
 
-def build(preset, lens, max_tokens=None, page_size=128):
-    """A one-layer PagedKVCache (pages of `page_size` tokens) holding random sequences of the given
-    lengths."""
+def build(preset, lens, max_tokens=None, page_size=None):
+    """A one-layer PagedKVCache (pages of `page_size` tokens, default the pool's) holding random
+    sequences of the given lengths."""
+    page_size = page_size or default_page_size(kvq.get_config(preset))
     cache = kvq.PagedKVCache(preset, num_layers=1, num_kv_heads=H, head_dim=D, device="cuda",
                              max_tokens=max_tokens or sum(lens) + page_size * len(lens), max_seqs=max(len(lens), 4),
                              page_size=page_size)
@@ -78,8 +80,9 @@ def main(argv=None):
     ap.add_argument("--max-kv-gb", type=float, default=20.0, help="skip shapes whose FP16 KV exceeds this")
     ap.add_argument("--no-contiguous", action="store_true", help="skip the contiguous kvq.decode_attention rows")
     ap.add_argument("--mixed", action="store_true", help="only the mixed-length and append rows")
-    ap.add_argument("--page-size", type=int, nargs="+", default=[128],
-                    help="page sizes of the paged rows (one row per preset and page size)")
+    ap.add_argument("--page-size", type=int, nargs="+", default=None,
+                    help="page sizes of the paged rows (one row per preset and page size; default: one row "
+                    "at the pool's default page size, kvq.paged.default_page_size)")
     args = ap.parse_args(argv)
     copy_bw = copy_bandwidth()
     print(f"# paged decode attention, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -113,12 +116,12 @@ def main(argv=None):
                              f"{host_us(fn):.1f}", f"{base / g:.2f}", "", "", ""])
                 print(rows[-1], flush=True)
                 del kc
-            for P in args.page_size:
+            for P in args.page_size or [None]:
                 cache, ids = build(preset, [L] * B, page_size=P)
                 nb = cache.nbytes
                 g = bench_gpu_time(raw_call(cache, ids, q), graph=True)["us"]
                 fn = lambda: cache.decode_attention(q, 0, ids)  # noqa: E731
-                name = f"{preset} paged" + (f" P={P}" if args.page_size != [128] else "")
+                name = f"{preset} paged" + (f" P={P}" if args.page_size else "")
                 rows.append([B, L, name, f"{g:.1f}", f"{bench_gpu_time(fn)['us']:.1f}", f"{host_us(fn):.1f}",
                              f"{base / g:.2f}", f"{nb / 1e6:.0f}", f"{nb / g / 1e3:.0f}",
                              f"{100 * nb / (g * 1e-6) / copy_bw:.0f}%"])
