@@ -46,7 +46,7 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& scale, con
 }
 
 // ---- HQMQ (format: include/kvq/hqmq/hqmq.h) ----
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cuda(
+std::tuple<at::Tensor, at::Tensor> hqmq_encode_cuda(
     const at::Tensor& x, const at::Tensor& secondary, int64_t radius_bits,
     const c10::optional<at::Tensor>& outlier_threshold, bool check_finite) {
   c10::cuda::CUDAGuard guard(x.device());
@@ -57,15 +57,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cuda(
   if (check_finite) raise_status("hqmq_encode", "x", c.status.item<int32_t>(), kHqmqOutOfRange);
   if (hqmq_prepare_records(c) > 0)  // syncs once for the record count (Med3x only)
     KVQ_CUDA_CALL("hqmq_encode", hqmq::hqmq_write_records_cuda(c.params, dt, stream));
-  return {c.codes, c.scale, c.outliers};
+  return {c.codes, c.outliers};
 }
 
-at::Tensor hqmq_decode_cuda(const at::Tensor& codes, const at::Tensor& scale,
-                            const at::Tensor& secondary, const at::Tensor& outliers,
+at::Tensor hqmq_decode_cuda(const at::Tensor& codes, const at::Tensor& secondary, const at::Tensor& outliers,
                             int64_t radius_bits, int64_t head_dim, at::ScalarType dtype) {
   c10::cuda::CUDAGuard guard(codes.device());
   HqmqDecodeCall c =
-      prepare_hqmq_decode(codes, scale, secondary, outliers, radius_bits, head_dim, dtype);
+      prepare_hqmq_decode(codes, secondary, outliers, radius_bits, head_dim, dtype);
   auto stream = c10::cuda::getCurrentCUDAStream().stream();
   KVQ_CUDA_CALL("hqmq_decode", hqmq::hqmq_decode_cuda(c.params, dtype_id(dtype), stream));
   return c.out;
@@ -187,8 +186,8 @@ at::Tensor decode_attention_gear_cuda(KVQ_DECODE_ATTN_GEAR_ARGS) {
 
 at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS) {
   c10::cuda::CUDAGuard guard(q.device());
-  HqmqAttentionCall c = prepare_decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr,
-                                                      v_codes, v_scale, v_secondary, v_outliers, v_outlier_ptr,
+  HqmqAttentionCall c = prepare_decode_attention_hqmq(q, k_codes, k_secondary, k_outliers, k_outlier_ptr,
+                                                      v_codes, v_secondary, v_outliers, v_outlier_ptr,
                                                       mask, k_radius_bits, v_radius_bits, scale, k_residual,
                                                       v_residual);
   auto& p = c.params;
@@ -238,8 +237,8 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cuda(KVQ_PAGED_ATTN_AR
 
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_hqmq_cuda(KVQ_PAGED_ATTN_HQMQ_ARGS) {
   c10::cuda::CUDAGuard guard(q.device());
-  PagedHqmqCall c = prepare_paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes,
-                                                        v_scale, v_secondary, block_table, seq_lens, comp_lens, work,
+  PagedHqmqCall c = prepare_paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_secondary, v_codes,
+                                                        v_secondary, block_table, seq_lens, comp_lens, work,
                                                         radius_bits, scale);
   auto& p = c.params;
   c.ws = at::empty({p.Hq * p.paged.max_items * (p.D + 2)}, c.q.options().dtype(at::kFloat));

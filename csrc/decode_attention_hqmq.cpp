@@ -1,5 +1,5 @@
-// kvq.decode_attention_hqmq: decode attention over an HQMQ cache layer (packed codes, fp16
-// radius scales, Med3x records + their tile index, per role, and the optional full-precision
+// kvq.decode_attention_hqmq: decode attention over an HQMQ cache layer (packed rows, Med3x
+// records + their tile index, per role, and the optional full-precision
 // recent window).  Argument checks, the CPU
 // implementation, and (with CUDA) the call of the fused kernel in cuda_bindings.cpp.
 // Built with -ffp-contract=off like hqmq.cpp so the CPU twin decodes exactly like
@@ -16,69 +16,59 @@ namespace kvq {
 
 static const char* kOp = "decode_attention_hqmq";
 
-/// The checks and fields every HQMQ role shares (contiguous caches and pages): codes int32
-/// [N, H, R, W] and radius scales fp16 [N, H, R] (N rows of R tokens: batch rows of T tokens, or
-/// pages of P), secondary sets fp32 [H, S, 4], on the device of `ref`.  The secondary pointer
+/// The checks and fields every HQMQ role shares (contiguous caches and pages): packed rows int16
+/// [N, H, R, U] (N rows of R tokens: batch rows of T tokens, or pages of P), secondary sets fp32
+/// [H, S, 4], on the device of `ref`.  The secondary pointer
 /// and the records are set by the caller.
 attention::HqmqKV hqmq_role_fields(const char* op, const std::string& r, const char* rb_name, const at::Tensor& ref,
-                                   const char* ref_name, const at::Tensor& codes, const at::Tensor& scale,
-                                   const at::Tensor& secondary, int64_t radius_bits, int64_t H, int64_t D) {
-  const auto cn = r + "_codes", sn = r + "_scale", secn = r + "_secondary";
+                                   const char* ref_name, const at::Tensor& codes, const at::Tensor& secondary,
+                                   int64_t radius_bits, int64_t H, int64_t D) {
+  const auto cn = r + "_codes", secn = r + "_secondary";
   KVQ_CHECK_ARG(radius_bits >= 1 && radius_bits <= 8, op, rb_name, "must be in 1..8, got ", radius_bits);
-  CHECK_DTYPE(op, codes, cn.c_str(), at::kInt);
-  CHECK_DTYPE(op, scale, sn.c_str(), at::kHalf);
+  CHECK_DTYPE(op, codes, cn.c_str(), at::kShort);
   CHECK_DTYPE(op, secondary, secn.c_str(), at::kFloat);
   CHECK_DIM(op, codes, cn.c_str(), 4);
-  CHECK_DIM(op, scale, sn.c_str(), 3);
   CHECK_DIM(op, secondary, secn.c_str(), 3);
-  for (const at::Tensor* t : {&codes, &scale, &secondary}) {
-    const char* name = t == &codes ? cn.c_str() : t == &scale ? sn.c_str() : secn.c_str();
-    CHECK_SAME_DEVICE(op, ref, ref_name, *t, name);
-  }
+  CHECK_SAME_DEVICE(op, ref, ref_name, codes, cn.c_str());
+  CHECK_SAME_DEVICE(op, ref, ref_name, secondary, secn.c_str());
   KVQ_CHECK_ARG(codes.size(1) == H, op, cn.c_str(), "must have H=", H, " heads in dim 1, got ", codes.sizes());
   KVQ_CHECK_ARG(secondary.size(0) == H && secondary.size(2) == 4 && secondary.size(1) >= 1 &&
                     secondary.size(1) <= hqmq::kMaxSecondary,
                 op, secn.c_str(), "must be [H=", H, ", S, 4] with S in 1..", hqmq::kMaxSecondary, ", got ",
                 secondary.sizes());
   const int64_t S = secondary.size(1);
-  const int W = hqmq::hqmq_words(D, S, (int)radius_bits);
-  KVQ_CHECK_ARG(codes.size(3) == W, op, cn.c_str(), "must have ", W, " words per token (D=", D, ", S=", S,
-                ", radius_bits=", radius_bits, "), got ", codes.size(3));
-  KVQ_CHECK_ARG(scale.size(0) == codes.size(0) && scale.size(1) == H && scale.size(2) == codes.size(2), op,
-                sn.c_str(), "must be [", codes.size(0), ", H=", H, ", ", codes.size(2), "] (one entry per row of '", cn,
-                "'), got ", scale.sizes());
+  const hqmq::RowLayout row = hqmq::hqmq_row_layout(D, S, (int)radius_bits);
+  KVQ_CHECK_ARG(codes.size(3) == row.units, op, cn.c_str(), "must have ", row.units, " 16-bit units per token (D=",
+                D, ", S=", S, ", radius_bits=", radius_bits, "), got ", codes.size(3));
   attention::HqmqKV s;
-  s.codes = codes.numel() ? codes.data_ptr<int32_t>() : nullptr;
-  s.scale = scale.numel() ? reinterpret_cast<const uint16_t*>(scale.data_ptr()) : nullptr;
+  s.codes = codes.numel() ? codes.data_ptr<int16_t>() : nullptr;
   s.codes_sb = codes.stride(0), s.codes_sh = codes.stride(1);
-  s.scale_sb = scale.stride(0), s.scale_sh = scale.stride(1);
   s.S = S;
   s.radius_bits = (int)radius_bits;
   s.field_bits = hqmq::hqmq_dir_bits(S) + (int)radius_bits;
-  s.words = W;
+  s.units = row.units;
+  s.row = row;
   return s;
 }
 
 static attention::HqmqKV make_hqmq_role(const char* role, const at::Tensor& q, const at::Tensor& codes,
-                                        const at::Tensor& scale, const at::Tensor& secondary,
+                                        const at::Tensor& secondary,
                                         const at::Tensor& outliers, const at::Tensor& outlier_ptr,
                                         int64_t radius_bits, int64_t B, int64_t H, int64_t D) {
   const std::string r(role);
-  const auto cn = r + "_codes", sn = r + "_scale", on = r + "_outliers", pn = r + "_outlier_ptr",
-             rbn = r + "_radius_bits";
-  attention::HqmqKV s = hqmq_role_fields(kOp, r, rbn.c_str(), q, "q", codes, scale, secondary, radius_bits, H, D);
+  const auto cn = r + "_codes", on = r + "_outliers", pn = r + "_outlier_ptr", rbn = r + "_radius_bits";
+  attention::HqmqKV s = hqmq_role_fields(kOp, r, rbn.c_str(), q, "q", codes, secondary, radius_bits, H, D);
   CHECK_DTYPE(kOp, outliers, on.c_str(), at::kInt);
   CHECK_DTYPE(kOp, outlier_ptr, pn.c_str(), at::kLong);
   CHECK_DIM(kOp, outliers, on.c_str(), 2);
   CHECK_DIM(kOp, outlier_ptr, pn.c_str(), 1);
   CHECK_SAME_DEVICE(kOp, q, "q", outliers, on.c_str());
   CHECK_SAME_DEVICE(kOp, q, "q", outlier_ptr, pn.c_str());
-  const int64_t T = codes.size(2), W = s.words;
+  const int64_t T = codes.size(2), U = s.units;
   KVQ_CHECK_ARG(codes.size(0) == B && codes.size(1) == H, kOp, cn.c_str(), "must be [B=", B, ", H=", H,
-                ", T, W], got ", codes.sizes());
-  KVQ_CHECK_ARG(codes.numel() == 0 || (codes.stride(3) == 1 && codes.stride(2) == W), kOp, cn.c_str(),
+                ", T, U], got ", codes.sizes());
+  KVQ_CHECK_ARG(codes.numel() == 0 || (codes.stride(3) == 1 && codes.stride(2) == U), kOp, cn.c_str(),
                 "must be contiguous in its last two dims");
-  KVQ_CHECK_ARG(scale.numel() == 0 || scale.stride(2) == 1, kOp, sn.c_str(), "must be contiguous in its last dim");
   KVQ_CHECK_ARG(outliers.size(1) == 4, kOp, on.c_str(), "must be [M, 4] Med3x records, got ", outliers.sizes());
   const int64_t M = outliers.size(0);
   const int64_t nptr = (T + attention::kHqmqTile - 1) / attention::kHqmqTile * B * H + 1;
@@ -114,9 +104,9 @@ static int64_t residual_tokens(const std::optional<at::Tensor>& res) {
 }
 
 HqmqAttentionCall prepare_decode_attention_hqmq(
-    const at::Tensor& q_in, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& k_secondary,
+    const at::Tensor& q_in, const at::Tensor& k_codes, const at::Tensor& k_secondary,
     const at::Tensor& k_outliers, const at::Tensor& k_outlier_ptr, const at::Tensor& v_codes,
-    const at::Tensor& v_scale, const at::Tensor& v_secondary, const at::Tensor& v_outliers,
+    const at::Tensor& v_secondary, const at::Tensor& v_outliers,
     const at::Tensor& v_outlier_ptr, const std::optional<at::Tensor>& mask, int64_t k_radius_bits,
     int64_t v_radius_bits, double scale, const std::optional<at::Tensor>& k_residual,
     const std::optional<at::Tensor>& v_residual) {
@@ -127,13 +117,13 @@ HqmqAttentionCall prepare_decode_attention_hqmq(
   const auto [B, Hq, D, H] = check_decode_attention_q(kOp, c.q, k_codes);
   KVQ_CHECK_ARG(B * H < ((int64_t)1 << 23), kOp, "k_codes", "has too many rows (B*H must be < 2^23)");
   auto& p = c.params;
-  // contiguous copies of the small tensors (secondary, records, index); codes/scale are read
+  // contiguous copies of the small tensors (secondary, records, index); codes are read
   // through their batch/head strides
   c.k_sec = k_secondary.contiguous(), c.v_sec = v_secondary.contiguous();
   c.k_rec = contiguous_aligned(k_outliers), c.v_rec = contiguous_aligned(v_outliers);  // int4 loads
   c.k_ptr = k_outlier_ptr.contiguous(), c.v_ptr = v_outlier_ptr.contiguous();
-  p.k = make_hqmq_role("k", c.q, k_codes, k_scale, c.k_sec, c.k_rec, c.k_ptr, k_radius_bits, B, H, D);
-  p.v = make_hqmq_role("v", c.q, v_codes, v_scale, c.v_sec, c.v_rec, c.v_ptr, v_radius_bits, B, H, D);
+  p.k = make_hqmq_role("k", c.q, k_codes, c.k_sec, c.k_rec, c.k_ptr, k_radius_bits, B, H, D);
+  p.v = make_hqmq_role("v", c.q, v_codes, c.v_sec, c.v_rec, c.v_ptr, v_radius_bits, B, H, D);
   const int64_t Tc = k_codes.size(2);
   KVQ_CHECK(Tc == v_codes.size(2), "kvq.", kOp, ": keys hold ", Tc, " encoded tokens but values hold ",
             v_codes.size(2));
@@ -155,8 +145,8 @@ HqmqAttentionCall prepare_decode_attention_hqmq(
 }
 
 at::Tensor decode_attention_hqmq_cpu(KVQ_DECODE_ATTN_HQMQ_ARGS) {
-  HqmqAttentionCall c = prepare_decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr,
-                                                      v_codes, v_scale, v_secondary, v_outliers, v_outlier_ptr,
+  HqmqAttentionCall c = prepare_decode_attention_hqmq(q, k_codes, k_secondary, k_outliers, k_outlier_ptr,
+                                                      v_codes, v_secondary, v_outliers, v_outlier_ptr,
                                                       mask, k_radius_bits, v_radius_bits, scale, k_residual,
                                                       v_residual);
   const auto& p = c.params;

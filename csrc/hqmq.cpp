@@ -40,7 +40,7 @@ static void fill_common(hqmq::HqmqParams& p, int64_t N, int64_t H, int64_t T, in
   p.radius_bits = (int)radius_bits;
   p.dir_bits = hqmq::hqmq_dir_bits(S);
   p.field_bits = p.dir_bits + (int)radius_bits;
-  p.words = hqmq::hqmq_words(D, S, (int)radius_bits);
+  p.row = hqmq::hqmq_row_layout(D, S, (int)radius_bits);
 }
 
 HqmqEncodeCall prepare_hqmq_encode(const at::Tensor& x_in, const at::Tensor& secondary,
@@ -74,11 +74,8 @@ HqmqEncodeCall prepare_hqmq_encode(const at::Tensor& x_in, const at::Tensor& sec
   auto lead = c.x.sizes().slice(0, c.x.dim() - 2).vec();
   auto cshape = lead;
   cshape.push_back(T);
-  cshape.push_back(p.words);
-  c.codes = at::empty(cshape, c.x.options().dtype(at::kInt));
-  auto sshape = lead;
-  sshape.push_back(T);
-  c.scale = at::empty(sshape, c.x.options().dtype(at::kHalf));
+  cshape.push_back(p.row.units);
+  c.codes = at::empty(cshape, c.x.options().dtype(at::kShort));
   if (check_finite) c.status = at::zeros({1}, c.x.options().dtype(at::kInt));
   if (has_thr) {
     c.threshold = outlier_threshold->contiguous();
@@ -90,8 +87,7 @@ HqmqEncodeCall prepare_hqmq_encode(const at::Tensor& x_in, const at::Tensor& sec
   }
   p.x = c.x.data_ptr();
   p.secondary = c.secondary.data_ptr<float>();
-  p.codes = c.codes.data_ptr<int32_t>();
-  p.scale = reinterpret_cast<uint16_t*>(c.scale.data_ptr());
+  p.codes = c.codes.data_ptr<int16_t>();
   p.status = check_finite ? c.status.data_ptr<int32_t>() : nullptr;
   return c;
 }
@@ -111,13 +107,11 @@ int64_t hqmq_prepare_records(HqmqEncodeCall& c) {
   return M;
 }
 
-HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& scale,
-                                   const at::Tensor& secondary, const at::Tensor& outliers,
+HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& secondary, const at::Tensor& outliers,
                                    int64_t radius_bits, int64_t head_dim, at::ScalarType dtype) {
   const char* op = "hqmq_decode";
   check_radius_bits(op, radius_bits);
-  CHECK_DTYPE(op, codes, "codes", at::kInt);
-  CHECK_DTYPE(op, scale, "scale", at::kHalf);
+  CHECK_DTYPE(op, codes, "codes", at::kShort);
   CHECK_DTYPE(op, outliers, "outliers", at::kInt);
   CHECK_MIN_DIM(op, codes, "codes", 3);
   KVQ_CHECK_ARG(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat, op, "dtype",
@@ -125,22 +119,16 @@ HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& sc
   check_hqmq_head_dim(op, "head_dim", head_dim);
   const int64_t H = codes.size(-3), T = codes.size(-2);
   check_secondary(op, secondary, H);
-  CHECK_SAME_DEVICE(op, codes, "codes", scale, "scale");
   CHECK_SAME_DEVICE(op, codes, "codes", secondary, "secondary");
   CHECK_SAME_DEVICE(op, codes, "codes", outliers, "outliers");
-  const int W = hqmq::hqmq_words(head_dim, secondary.size(1), (int)radius_bits);
-  KVQ_CHECK_ARG(codes.size(-1) == W, op, "codes", "must have ", W, " words per token for head_dim=",
+  const int U = hqmq::hqmq_units(head_dim, secondary.size(1), (int)radius_bits);
+  KVQ_CHECK_ARG(codes.size(-1) == U, op, "codes", "must have ", U, " 16-bit units per token for head_dim=",
                 head_dim, ", S=", secondary.size(1), ", radius_bits=", radius_bits, ", got shape ",
                 codes.sizes());
-  auto sshape = codes.sizes().vec();
-  sshape.pop_back();
-  KVQ_CHECK_ARG(scale.sizes().vec() == sshape, op, "scale", "must have shape ", at::IntArrayRef(sshape),
-                ", got ", scale.sizes());
   KVQ_CHECK_ARG(outliers.dim() == 2 && outliers.size(1) == 4, op, "outliers",
                 "must have shape [M, 4], got ", outliers.sizes());
   HqmqDecodeCall c;
   c.codes = contiguous_aligned(codes);
-  c.scale = scale.contiguous();
   c.secondary = contiguous_aligned(secondary);
   c.outliers = contiguous_aligned(outliers);
   auto oshape = codes.sizes().vec();
@@ -149,15 +137,14 @@ HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& sc
   auto& p = c.params;
   fill_common(p, leading_numel(c.codes, 2), H, T, head_dim, secondary.size(1), radius_bits);
   p.out = c.out.data_ptr();
-  p.codes = c.codes.data_ptr<int32_t>();
-  p.scale = reinterpret_cast<uint16_t*>(c.scale.data_ptr());
+  p.codes = c.codes.data_ptr<int16_t>();
   p.secondary = c.secondary.data_ptr<float>();
   p.outliers = c.outliers.data_ptr<int32_t>();
   p.num_outliers = c.outliers.size(0);
   return c;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cpu(
+std::tuple<at::Tensor, at::Tensor> hqmq_encode_cpu(
     const at::Tensor& x, const at::Tensor& secondary, int64_t radius_bits,
     const c10::optional<at::Tensor>& outlier_threshold, bool check_finite) {
   HqmqEncodeCall c = prepare_hqmq_encode(x, secondary, radius_bits, outlier_threshold, check_finite);
@@ -181,14 +168,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cpu(
       });
     });
   }
-  return {c.codes, c.scale, c.outliers};
+  return {c.codes, c.outliers};
 }
 
-at::Tensor hqmq_decode_cpu(const at::Tensor& codes, const at::Tensor& scale,
-                           const at::Tensor& secondary, const at::Tensor& outliers,
+at::Tensor hqmq_decode_cpu(const at::Tensor& codes, const at::Tensor& secondary, const at::Tensor& outliers,
                            int64_t radius_bits, int64_t head_dim, at::ScalarType dtype) {
   HqmqDecodeCall c =
-      prepare_hqmq_decode(codes, scale, secondary, outliers, radius_bits, head_dim, dtype);
+      prepare_hqmq_decode(codes, secondary, outliers, radius_bits, head_dim, dtype);
   const auto& p = c.params;
   translate_errors([&] {
     KVQ_DISPATCH_DTYPE(dtype_id(dtype), DType, [&] {

@@ -52,8 +52,7 @@ at::Tensor dequantize_cuda(const at::Tensor& codes, const at::Tensor& scale, con
 // ----- HQMQ (csrc/hqmq.cpp) -----
 /// Validated arguments, outputs and scratch of one hqmq_encode call.
 struct HqmqEncodeCall {
-  at::Tensor x, secondary, threshold, codes, scale, status, flag_mask, flag_count, offsets,
-      outliers;
+  at::Tensor x, secondary, threshold, codes, status, flag_mask, flag_count, offsets, outliers;
   hqmq::HqmqParams params;
 };
 HqmqEncodeCall prepare_hqmq_encode(const at::Tensor& x, const at::Tensor& secondary,
@@ -64,24 +63,21 @@ HqmqEncodeCall prepare_hqmq_encode(const at::Tensor& x, const at::Tensor& second
 /// [M, 4] record output; returns M.
 int64_t hqmq_prepare_records(HqmqEncodeCall& c);
 struct HqmqDecodeCall {
-  at::Tensor codes, scale, secondary, outliers, out;
+  at::Tensor codes, secondary, outliers, out;
   hqmq::HqmqParams params;
 };
-HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& scale,
-                                   const at::Tensor& secondary, const at::Tensor& outliers,
+HqmqDecodeCall prepare_hqmq_decode(const at::Tensor& codes, const at::Tensor& secondary, const at::Tensor& outliers,
                                    int64_t radius_bits, int64_t head_dim, at::ScalarType dtype);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cpu(
+std::tuple<at::Tensor, at::Tensor> hqmq_encode_cpu(
     const at::Tensor& x, const at::Tensor& secondary, int64_t radius_bits,
     const c10::optional<at::Tensor>& outlier_threshold, bool check_finite);
-at::Tensor hqmq_decode_cpu(const at::Tensor& codes, const at::Tensor& scale,
-                           const at::Tensor& secondary, const at::Tensor& outliers,
+at::Tensor hqmq_decode_cpu(const at::Tensor& codes, const at::Tensor& secondary, const at::Tensor& outliers,
                            int64_t radius_bits, int64_t head_dim, at::ScalarType dtype);
 #ifdef KVQ_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hqmq_encode_cuda(
+std::tuple<at::Tensor, at::Tensor> hqmq_encode_cuda(
     const at::Tensor& x, const at::Tensor& secondary, int64_t radius_bits,
     const c10::optional<at::Tensor>& outlier_threshold, bool check_finite);
-at::Tensor hqmq_decode_cuda(const at::Tensor& codes, const at::Tensor& scale,
-                            const at::Tensor& secondary, const at::Tensor& outliers,
+at::Tensor hqmq_decode_cuda(const at::Tensor& codes, const at::Tensor& secondary, const at::Tensor& outliers,
                             int64_t radius_bits, int64_t head_dim, at::ScalarType dtype);
 #endif
 // ----- end HQMQ -----
@@ -228,18 +224,17 @@ struct HqmqAttentionCall {
   attention::HqmqAttnParams params;
 };
 #define KVQ_DECODE_ATTN_HQMQ_ARGS                                                               \
-  const at::Tensor &q, const at::Tensor &k_codes, const at::Tensor &k_scale,                    \
+  const at::Tensor &q, const at::Tensor &k_codes,                                               \
       const at::Tensor &k_secondary, const at::Tensor &k_outliers, const at::Tensor &k_outlier_ptr, \
-      const at::Tensor &v_codes, const at::Tensor &v_scale, const at::Tensor &v_secondary,      \
+      const at::Tensor &v_codes, const at::Tensor &v_secondary,                                 \
       const at::Tensor &v_outliers, const at::Tensor &v_outlier_ptr,                            \
       const std::optional<at::Tensor>&mask, int64_t k_radius_bits, int64_t v_radius_bits, double scale, \
       const std::optional<at::Tensor>&k_residual, const std::optional<at::Tensor>&v_residual
 HqmqAttentionCall prepare_decode_attention_hqmq(KVQ_DECODE_ATTN_HQMQ_ARGS);
-/// One HQMQ role's shared checks and fields (csrc/decode_attention_hqmq.cpp): codes int32
-/// [N, H, R, W], scales fp16 [N, H, R], secondary fp32 [H, S, 4] on the device of `ref`.
+/// One HQMQ role's shared checks and fields (csrc/decode_attention_hqmq.cpp): codes int16
+/// [N, H, R, U], secondary fp32 [H, S, 4] on the device of `ref`.
 attention::HqmqKV hqmq_role_fields(const char* op, const std::string& role, const char* rb_name, const at::Tensor& ref,
-                                   const char* ref_name, const at::Tensor& codes, const at::Tensor& scale,
-                                   const at::Tensor& secondary, int64_t radius_bits, int64_t H, int64_t D);
+                                   const char* ref_name, const at::Tensor& codes, const at::Tensor& secondary, int64_t radius_bits, int64_t H, int64_t D);
 at::Tensor decode_attention_hqmq_cpu(KVQ_DECODE_ATTN_HQMQ_ARGS);
 #ifdef KVQ_WITH_CUDA
 at::Tensor decode_attention_hqmq_cuda(KVQ_DECODE_ATTN_HQMQ_ARGS);
@@ -281,8 +276,8 @@ struct PagedHqmqCall : PagedAttentionCall {
 };
 #define KVQ_PAGED_ATTN_HQMQ_ARGS                                                                         \
   const at::Tensor &q, const at::Tensor &k_fp, const at::Tensor &v_fp, const at::Tensor &k_codes,        \
-      const at::Tensor &k_scale, const at::Tensor &k_secondary, const at::Tensor &v_codes,               \
-      const at::Tensor &v_scale, const at::Tensor &v_secondary, const at::Tensor &block_table,           \
+      const at::Tensor &k_secondary, const at::Tensor &v_codes,                                          \
+      const at::Tensor &v_secondary, const at::Tensor &block_table,                                      \
       const at::Tensor &seq_lens, const at::Tensor &comp_lens, const at::Tensor &work, int64_t radius_bits, \
       double scale
 PagedHqmqCall prepare_paged_decode_attention_hqmq(KVQ_PAGED_ATTN_HQMQ_ARGS);

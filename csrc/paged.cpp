@@ -365,16 +365,14 @@ std::tuple<at::Tensor, at::Tensor> paged_decode_attention_cpu(KVQ_PAGED_ATTN_ARG
 // ---------------------------------------------------------------------------------------------
 // kvq.paged_decode_attention_hqmq
 // ---------------------------------------------------------------------------------------------
-/// The HQMQ pool of one role: codes int32 [pages, H, P, W], radius scales fp16 [pages, H, P],
-/// secondary sets float32 [H, S, 4], all contiguous.
+/// The HQMQ pool of one role: packed rows int16 [pages, H, P, U], secondary sets float32
+/// [H, S, 4], both contiguous.
 static attention::HqmqKV make_hqmq_pool_role(const std::string& r, const at::Tensor& fp, const at::Tensor& codes,
-                                             const at::Tensor& scale, const at::Tensor& secondary,
-                                             int64_t radius_bits) {
+                                             const at::Tensor& secondary, int64_t radius_bits) {
   const int64_t H = fp.size(1), P = fp.size(2), D = fp.size(3);
-  attention::HqmqKV s =
-      hqmq_role_fields(kAttnHqmq, r, "radius_bits", fp, "k_fp", codes, scale, secondary, radius_bits, H, D);
-  for (const at::Tensor* t : {&codes, &scale, &secondary}) {
-    const std::string name = r + (t == &codes ? "_codes" : t == &scale ? "_scale" : "_secondary");
+  attention::HqmqKV s = hqmq_role_fields(kAttnHqmq, r, "radius_bits", fp, "k_fp", codes, secondary, radius_bits, H, D);
+  for (const at::Tensor* t : {&codes, &secondary}) {
+    const std::string name = r + (t == &codes ? "_codes" : "_secondary");
     KVQ_CHECK_ARG(t->is_contiguous(), kAttnHqmq, name.c_str(), "must be contiguous");
   }
   KVQ_CHECK_ARG(codes.size(2) == P, kAttnHqmq, (r + "_codes").c_str(), "must hold pages of P=", P,
@@ -386,16 +384,16 @@ static attention::HqmqKV make_hqmq_pool_role(const std::string& r, const at::Ten
 PagedHqmqCall prepare_paged_decode_attention_hqmq(KVQ_PAGED_ATTN_HQMQ_ARGS) {
   PagedHqmqCall c;
   prepare_paged_common(kAttnHqmq, c, q, k_fp, v_fp, block_table, seq_lens, comp_lens, work, scale);
-  c.k = make_hqmq_pool_role("k", k_fp, k_codes, k_scale, k_secondary, radius_bits);
-  c.v = make_hqmq_pool_role("v", v_fp, v_codes, v_scale, v_secondary, radius_bits);
+  c.k = make_hqmq_pool_role("k", k_fp, k_codes, k_secondary, radius_bits);
+  c.v = make_hqmq_pool_role("v", v_fp, v_codes, v_secondary, radius_bits);
   KVQ_CHECK_ARG(v_codes.size(0) == k_codes.size(0), kAttnHqmq, "v_codes", "must have as many pages as 'k_codes' (",
                 k_codes.size(0), "), got ", v_codes.size(0));
   return c;
 }
 
 std::tuple<at::Tensor, at::Tensor> paged_decode_attention_hqmq_cpu(KVQ_PAGED_ATTN_HQMQ_ARGS) {
-  PagedHqmqCall c = prepare_paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes,
-                                                        v_scale, v_secondary, block_table, seq_lens, comp_lens, work,
+  PagedHqmqCall c = prepare_paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_secondary, v_codes,
+                                                        v_secondary, block_table, seq_lens, comp_lens, work,
                                                         radius_bits, scale);
   const attention::PagedHqmqParams hp = c.kernel_params();
   check_paged_tables_cpu(kAttnHqmq, hp.base, block_table.size(1), k_codes.size(0), k_fp.size(0));

@@ -38,12 +38,12 @@ TORCH_LIBRARY(kvq, m) {
   // ---- end GEAR ops ----
   // ---- HQMQ ops (hqmq_encode, hqmq_decode) ----
   // x: [..., H, T, D] (D in {32,64,128,256}), secondary fp32 [H, S, 4] ->
-  //   codes int32 [..., H, T, W] (W = ceil(D/4 * (ceil(log2(24S)) + radius_bits) / 32)),
-  //   scale fp16 [..., H, T], outliers int32 [M, 4] (Med3x records; M = 0 without a
-  //   threshold).  Layout: include/kvq/hqmq/hqmq.h and docs/ops.md.
+  //   codes int16 [..., H, T, U] (packed rows of U = hqmq_units(D, S, radius_bits) 16-bit
+  //   units, the radius scale included), outliers int32 [M, 4] (Med3x records; M = 0 without
+  //   a threshold).  Layout: include/kvq/hqmq/hqmq.h and docs/ops.md.
   m.def("hqmq_encode(Tensor x, Tensor secondary, int radius_bits, Tensor? outlier_threshold=None,"
-        " bool check_finite=True) -> (Tensor codes, Tensor scale, Tensor outliers)");
-  m.def("hqmq_decode(Tensor codes, Tensor scale, Tensor secondary, Tensor outliers,"
+        " bool check_finite=True) -> (Tensor codes, Tensor outliers)");
+  m.def("hqmq_decode(Tensor codes, Tensor secondary, Tensor outliers,"
         " int radius_bits, int head_dim, ScalarType dtype) -> Tensor");
   // ---- end HQMQ ops ----
   // ---- decode attention ops ----
@@ -59,12 +59,12 @@ TORCH_LIBRARY(kvq, m) {
   m.def("decode_attention_gear(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_zero, Tensor k_residual,"
         " Tensor v_codes, Tensor v_scale, Tensor v_zero, Tensor v_residual, Tensor? mask, int bits,"
         " Tensor[] k_gear, Tensor[] v_gear, int prefill_tokens, int block_tokens, float scale) -> Tensor");
-  // HQMQ layer: per role codes int32 [B, H, T, W], scale fp16 [B, H, T], secondary fp32 [H, S, 4],
+  // HQMQ layer: per role codes int16 [B, H, T, U] (hqmq_encode's rows), secondary fp32 [H, S, 4],
   // outliers int32 [M, 4] ordered by (t / 32, b * H + h), outlier_ptr int64 CSR over that key
   // ([ceil(T/32) * B * H + 1], or empty without records); residual [B, H, Tr, D] in q's dtype:
   // the recent window, tokens T .. T + Tr - 1 in full precision.  See decode_attention_hqmq.h.
-  m.def("decode_attention_hqmq(Tensor q, Tensor k_codes, Tensor k_scale, Tensor k_secondary,"
-        " Tensor k_outliers, Tensor k_outlier_ptr, Tensor v_codes, Tensor v_scale, Tensor v_secondary,"
+  m.def("decode_attention_hqmq(Tensor q, Tensor k_codes, Tensor k_secondary,"
+        " Tensor k_outliers, Tensor k_outlier_ptr, Tensor v_codes, Tensor v_secondary,"
         " Tensor v_outliers, Tensor v_outlier_ptr, Tensor? mask, int k_radius_bits, int v_radius_bits,"
         " float scale, Tensor? k_residual=None, Tensor? v_residual=None) -> Tensor");
   // ---- end decode attention ops ----
@@ -85,10 +85,10 @@ TORCH_LIBRARY(kvq, m) {
         " Tensor? k_zero, Tensor? v_codes, Tensor? v_scale, Tensor? v_zero, Tensor block_table, Tensor seq_lens,"
         " Tensor comp_lens, Tensor work, int bits, bool k_per_channel, bool v_per_channel, float scale)"
         " -> (Tensor out, Tensor lse)");
-  // HQMQ pages: codes int32 [pages, H, P, W], radius scales fp16 [pages, H, P] (kvq.hqmq_encode of one
-  // [1, H, P, D] block per page), secondary sets [H, S, 4] per role; no Med3x records.
-  m.def("paged_decode_attention_hqmq(Tensor q, Tensor k_fp, Tensor v_fp, Tensor k_codes, Tensor k_scale,"
-        " Tensor k_secondary, Tensor v_codes, Tensor v_scale, Tensor v_secondary, Tensor block_table,"
+  // HQMQ pages: codes int16 [pages, H, P, U] (kvq.hqmq_encode of one [1, H, P, D] block per page),
+  // secondary sets [H, S, 4] per role; no Med3x records.
+  m.def("paged_decode_attention_hqmq(Tensor q, Tensor k_fp, Tensor v_fp, Tensor k_codes,"
+        " Tensor k_secondary, Tensor v_codes, Tensor v_secondary, Tensor block_table,"
         " Tensor seq_lens, Tensor comp_lens, Tensor work, int radius_bits, float scale)"
         " -> (Tensor out, Tensor lse)");
   // ---- end paged KV ops ----

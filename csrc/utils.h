@@ -103,7 +103,7 @@ void raise_status(const char* op, const char* arg, int32_t status,
                                              "points cannot represent");
 /// kStatusOutOfRange of the HQMQ encoders.
 constexpr const char* kHqmqOutOfRange =
-    "has an entry above 65504 or a non-outlier 4-element chunk whose norm exceeds 65504, which the fp16 per-token "
+    "has an entry above 65504 or a non-outlier 4-element chunk whose norm exceeds 61440, which the packed per-token "
     "radius scale cannot represent (Med3x outliers, e.g. hqmq-5, store such chunks exactly)";
 
 /// \brief Turn a CUDA-free kvq::Error into a torch error.

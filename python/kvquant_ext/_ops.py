@@ -71,14 +71,34 @@ def _dequantize_fake(codes, scale, zero, bits, per_channel, dtype):
 
 
 # ----------------------------------------------------------------------------- HQMQ
-__all__ += ["hqmq_encode", "hqmq_decode", "hqmq_words"]
+__all__ += ["hqmq_encode", "hqmq_decode", "hqmq_row_layout", "hqmq_units"]
 
 
-def hqmq_words(head_dim: int, secondary_size: int, radius_bits: int) -> int:
-    """Packed 32-bit words per token-head vector: ``ceil(D/4 * F / 32)`` with
-    ``F = ceil(log2(24 S)) + radius_bits`` bits per 4-element chunk."""
+def hqmq_row_layout(head_dim: int, secondary_size: int, radius_bits: int) -> dict:
+    """Bit layout of one packed HQMQ row (``include/kvq/hqmq/hqmq.h``, docs/ops.md): chunk c's
+    field ``dir << b_r | rcode`` is stored as ``plain`` (its low ``E`` bits, at bit ``c * E``)
+    and the base-``R`` digit ``field >> E``; digits are packed ``K`` per 16-bit group from bit
+    ``groups_at``, the last ``C % K`` as one number of ``tail_bits`` bits at ``tail_at``, then the
+    radius scale at ``scale_at`` in the rest of the last unit (``scale_bits``, 8 to 15: the top
+    bits of the fp16 value's magnitude); ``units`` 16-bit units in all."""
     dir_bits = (24 * secondary_size - 1).bit_length()
-    return (head_dim // 4 * (dir_bits + radius_bits) + 31) // 32
+    C, L = head_dim // 4, dir_bits - 4
+    R = -(-24 * secondary_size // (1 << L))
+    K = 5 if R == 9 else 4
+    G = C // K
+    tail_bits = (R ** (C - G * K) - 1).bit_length()
+    E = L + radius_bits
+    groups_at = C * E
+    tail_at = groups_at + 16 * G
+    scale_at = tail_at + tail_bits
+    units = (scale_at + 8 + 15) // 16
+    return dict(C=C, E=E, R=R, K=K, G=G, tail_bits=tail_bits, groups_at=groups_at, tail_at=tail_at,
+                scale_at=scale_at, scale_bits=min(15, 16 * units - scale_at), units=units)
+
+
+def hqmq_units(head_dim: int, secondary_size: int, radius_bits: int) -> int:
+    """16-bit units per packed HQMQ row (one token of one head, its radius scale included)."""
+    return hqmq_row_layout(head_dim, secondary_size, radius_bits)["units"]
 
 
 def hqmq_encode(x: torch.Tensor, secondary: torch.Tensor, radius_bits: int,
@@ -92,41 +112,39 @@ def hqmq_encode(x: torch.Tensor, secondary: torch.Tensor, radius_bits: int,
     radius_bits : b_r in 1..8.
     outlier_threshold : optional float32 ``[H]``: chunks with norm > threshold[h] are stored
         exactly (fp16 records) and excluded from their token's radius scale.
-    check_finite : raise on NaN/Inf (and |x| > 65504); False skips the check.
+    check_finite : raise on NaN/Inf, on |x| > 65504 and on a non-outlier chunk norm above
+        61440 (the largest radius scale); False skips the check.
 
     Returns
     -------
-    codes : int32 ``[..., H, T, W]``, W = :func:`hqmq_words` (bit fields ``dir << b_r | rcode``)
-    scale : float16 ``[..., H, T]`` (largest non-outlier chunk radius, rounded up)
+    codes : int16 ``[..., H, T, U]``, U = :func:`hqmq_units`: one packed row per token (the
+        chunks' direction and radius codes and the token's radius scale, the largest
+        non-outlier chunk radius rounded up to 8-15 bits; :func:`hqmq_row_layout`)
     outliers : int32 ``[M, 4]`` records ``{t, n << 8 | chunk, fp16x2, fp16x2}``
     """
     return torch.ops.kvq.hqmq_encode.default(x, secondary, radius_bits, outlier_threshold,
                                              check_finite)
 
 
-def hqmq_decode(codes: torch.Tensor, scale: torch.Tensor, secondary: torch.Tensor,
-                outliers: torch.Tensor, radius_bits: int, head_dim: int,
-                dtype: torch.dtype) -> torch.Tensor:
+def hqmq_decode(codes: torch.Tensor, secondary: torch.Tensor, outliers: torch.Tensor,
+                radius_bits: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`hqmq_encode`: returns ``[..., H, T, head_dim]`` in ``dtype``."""
-    return torch.ops.kvq.hqmq_decode.default(codes, scale, secondary, outliers, radius_bits,
-                                             head_dim, dtype)
+    return torch.ops.kvq.hqmq_decode.default(codes, secondary, outliers, radius_bits, head_dim, dtype)
 
 
 @torch.library.register_fake("kvq::hqmq_encode")
 def _hqmq_encode_fake(x, secondary, radius_bits, outlier_threshold=None, check_finite=True):
     *lead, T, D = x.shape
-    W = hqmq_words(D, secondary.shape[1], radius_bits)
-    codes = x.new_empty((*lead, T, W), dtype=torch.int32)
-    scale = x.new_empty((*lead, T), dtype=torch.float16)
+    codes = x.new_empty((*lead, T, hqmq_units(D, secondary.shape[1], radius_bits)), dtype=torch.int16)
     if outlier_threshold is None:
         m = 0
     else:
         m = torch.library.get_ctx().new_dynamic_size()
-    return codes, scale, x.new_empty((m, 4), dtype=torch.int32)
+    return codes, x.new_empty((m, 4), dtype=torch.int32)
 
 
 @torch.library.register_fake("kvq::hqmq_decode")
-def _hqmq_decode_fake(codes, scale, secondary, outliers, radius_bits, head_dim, dtype):
+def _hqmq_decode_fake(codes, secondary, outliers, radius_bits, head_dim, dtype):
     *lead, T, _ = codes.shape
     return codes.new_empty((*lead, T, head_dim), dtype=dtype)
 
@@ -284,14 +302,14 @@ def _decode_attention_gear_fake(q, k_codes, k_scale, k_zero, k_residual, v_codes
 __all__ += ["decode_attention_hqmq"]
 
 
-def decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr, v_codes,
-                          v_scale, v_secondary, v_outliers, v_outlier_ptr, mask,
+def decode_attention_hqmq(q, k_codes, k_secondary, k_outliers, k_outlier_ptr, v_codes,
+                          v_secondary, v_outliers, v_outlier_ptr, mask,
                           k_radius_bits: int, v_radius_bits: int, scale: float, k_residual=None,
                           v_residual=None) -> torch.Tensor:
     """Decode attention over an HQMQ cache layer (fused kernel on CUDA, C++ twin on CPU).
 
-    ``q`` ``[B, Hq, D]``; per role: ``codes`` int32 ``[B, H, T, W]`` and ``scale`` fp16
-    ``[B, H, T]`` (:func:`hqmq_encode`'s layout; may be views with batch/head strides),
+    ``q`` ``[B, Hq, D]``; per role: ``codes`` int16 ``[B, H, T, U]`` (:func:`hqmq_encode`'s
+    packed rows; may be a view with batch/head strides),
     ``secondary`` fp32 ``[H, S, 4]``, ``outliers`` int32 ``[M, 4]`` Med3x records ordered by
     ``(t // 32, b * H + h)`` and ``outlier_ptr`` int64 ``[ceil(T/32) * B * H + 1]``, the CSR
     offsets over that key (empty when ``M == 0``; see ``HQMQStream.attention_operands``);
@@ -300,14 +318,14 @@ def decode_attention_hqmq(q, k_codes, k_scale, k_secondary, k_outliers, k_outlie
     ``mask`` ``[B, T + Tr]`` (nonzero = attend) or None.  Returns ``[B, Hq, D]`` in q's dtype.
     """
     return torch.ops.kvq.decode_attention_hqmq.default(
-        q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr, v_codes, v_scale,
+        q, k_codes, k_secondary, k_outliers, k_outlier_ptr, v_codes,
         v_secondary, v_outliers, v_outlier_ptr, mask, k_radius_bits, v_radius_bits, scale,
         k_residual, v_residual)
 
 
 @torch.library.register_fake("kvq::decode_attention_hqmq")
-def _decode_attention_hqmq_fake(q, k_codes, k_scale, k_secondary, k_outliers, k_outlier_ptr,
-                                v_codes, v_scale, v_secondary, v_outliers, v_outlier_ptr, mask,
+def _decode_attention_hqmq_fake(q, k_codes, k_secondary, k_outliers, k_outlier_ptr,
+                                v_codes, v_secondary, v_outliers, v_outlier_ptr, mask,
                                 k_radius_bits, v_radius_bits, scale, k_residual=None, v_residual=None):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
@@ -352,14 +370,14 @@ def paged_decode_attention(q, k_fp, v_fp, k_codes, k_scale, k_zero, v_codes, v_s
                                                         work, bits, k_per_channel, v_per_channel, scale)
 
 
-def paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes, v_scale, v_secondary,
+def paged_decode_attention_hqmq(q, k_fp, v_fp, k_codes, k_secondary, v_codes, v_secondary,
                                 block_table, seq_lens, comp_lens, work, radius_bits: int, scale: float):
-    """:func:`paged_decode_attention` over HQMQ pages: ``k_codes`` int32 ``[pages, H, P, W]`` and
-    ``k_scale`` fp16 ``[pages, H, P]`` (:func:`hqmq_encode` of one ``[1, H, P, D]`` block per page,
-    without Med3x records), ``k_secondary`` float32 ``[H, S, 4]``; values likewise.  Returns
-    ``(out, lse)``.  Layout: docs/serving.md."""
-    return torch.ops.kvq.paged_decode_attention_hqmq.default(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes,
-                                                             v_scale, v_secondary, block_table, seq_lens,
+    """:func:`paged_decode_attention` over HQMQ pages: ``k_codes`` int16 ``[pages, H, P, U]``
+    (:func:`hqmq_encode` of one ``[1, H, P, D]`` block per page, without Med3x records),
+    ``k_secondary`` float32 ``[H, S, 4]``; values likewise.  Returns ``(out, lse)``.  Layout:
+    docs/serving.md."""
+    return torch.ops.kvq.paged_decode_attention_hqmq.default(q, k_fp, v_fp, k_codes, k_secondary, v_codes,
+                                                             v_secondary, block_table, seq_lens,
                                                              comp_lens, work, radius_bits, scale)
 
 
@@ -387,6 +405,6 @@ def _paged_decode_attention_fake(q, k_fp, v_fp, k_codes, k_scale, k_zero, v_code
 
 
 @torch.library.register_fake("kvq::paged_decode_attention_hqmq")
-def _paged_decode_attention_hqmq_fake(q, k_fp, v_fp, k_codes, k_scale, k_secondary, v_codes, v_scale, v_secondary,
+def _paged_decode_attention_hqmq_fake(q, k_fp, v_fp, k_codes, k_secondary, v_codes, v_secondary,
                                       block_table, seq_lens, comp_lens, work, radius_bits, scale):
     return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)

@@ -1,9 +1,10 @@
 """HQMQ (Hurwitz quaternion multiplicative quantization, + Med3x outliers): secondary
 codebooks, the compressed-block object and the streaming cache storage.
 
-Storage per token-head vector (see ``docs/ops.md`` for the bit layout): ``W`` packed
-32-bit words of ``F = ceil(log2(24 S)) + b_r`` bit fields (one per 4-element chunk), one
-fp16 radius scale, and, with Med3x, one 16-byte record per outlier chunk.  Every held
+Storage per token-head vector (see ``docs/ops.md`` for the bit layout): one packed row of
+``U`` 16-bit units (per 4-element chunk a direction index in ``[0, 24 S)`` and a ``b_r``-bit
+radius code, the direction's base-9 part packed five chunks to 16 bits, and the token's
+radius scale in the row's last bits), and, with Med3x, one 16-byte record per outlier chunk.  Every held
 tensor is counted in ``nbytes``, including the secondary set and the outlier threshold.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .streams import Growable, Stream
 
 _ROLE_IDS = {"key": 0, "value": 1}
 TILE = 32  # tokens per tile of the outlier index (kHqmqTile in decode_attention_hqmq.h)
+MAX_SCALE = 61440.0  # hqmq::kMaxScale: bounds coded chunk norms (a radius scale of any width holds it)
 
 
 def hqmq_seed(seed: int, layer_idx: int, role: str) -> int:
@@ -53,8 +55,8 @@ def _secondary_cpu(num_heads: int, secondary_size: int, seed: int, layer_idx: in
 
 
 def chunk_norms(x: torch.Tensor) -> torch.Tensor:
-    """Norms of the 4-element chunks of ``x [..., D]``: ``[..., D/4]`` fp32 (what HQMQ's fp16
-    radius scale must hold)."""
+    """Norms of the 4-element chunks of ``x [..., D]``: ``[..., D/4]`` fp32 (what HQMQ's radius
+    scale must hold: at most :data:`MAX_SCALE`)."""
     return torch.linalg.vector_norm(x.float().unflatten(-1, (-1, 4)), dim=-1)
 
 
@@ -72,12 +74,12 @@ def med3_threshold(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 class HQMQCompressed(Compressed):
-    """One HQMQ-compressed block: packed codes, fp16 radius scales, Med3x outlier records,
+    """One HQMQ-compressed block: packed rows (codes and radius scales), Med3x outlier records,
     and the secondary sets ``.secondary`` ``[H, S, 4]`` (so anyone can verify codewords)."""
 
-    def __init__(self, codes, scale, outliers, secondary, radius_bits: int, shape, dtype,
+    def __init__(self, codes, outliers, secondary, radius_bits: int, shape, dtype,
                  threshold: Optional[torch.Tensor] = None):
-        self.codes, self.scale, self.outliers = codes, scale, outliers
+        self.codes, self.outliers = codes, outliers
         self.secondary, self.threshold = secondary, threshold
         self.radius_bits = radius_bits
         self.shape, self.dtype = torch.Size(shape), dtype
@@ -92,9 +94,8 @@ class HQMQCompressed(Compressed):
         thr = None
         if config.outlier_factor is not None:
             thr = med3_threshold(x, config.outlier_factor)
-        codes, scale, outliers = _ops.hqmq_encode(x, sec, config.radius_bits, thr,
-                                                  check_finite=check_finite)
-        return cls(codes, scale, outliers, sec, config.radius_bits, x.shape, x.dtype, thr)
+        codes, outliers = _ops.hqmq_encode(x, sec, config.radius_bits, thr, check_finite=check_finite)
+        return cls(codes, outliers, sec, config.radius_bits, x.shape, x.dtype, thr)
 
     @property
     def secondary_size(self) -> int:
@@ -105,11 +106,11 @@ class HQMQCompressed(Compressed):
         return self.outliers.shape[0]
 
     def decompress(self) -> torch.Tensor:
-        return _ops.hqmq_decode(self.codes, self.scale, self.secondary, self.outliers,
-                                self.radius_bits, self.shape[-1], self.dtype)
+        return _ops.hqmq_decode(self.codes, self.secondary, self.outliers, self.radius_bits,
+                                self.shape[-1], self.dtype)
 
     def tensors(self):
-        return {"codes": self.codes, "scale": self.scale, "outliers": self.outliers,
+        return {"codes": self.codes, "outliers": self.outliers,
                 "secondary": self.secondary, "threshold": self.threshold}
 
 
@@ -127,8 +128,10 @@ class HQMQStream(Stream):
     records of the tiles it touches (the last, partial tile and the new ones) and rewrites
     their offsets; the index costs 64 bits per (tile, row) and is counted in ``nbytes``."""
 
+    max_abs = MAX_SCALE
+
     def magnitude(self, x: torch.Tensor) -> torch.Tensor:
-        """Every chunk coded by direction and radius is stored against the token's fp16 radius
+        """Every chunk coded by direction and radius is stored against the token's radius
         scale, so the bound is on those chunks' norms; with Med3x a chunk above the threshold
         is stored exactly (fp16 values), so on its entries instead: the larger of the two."""
         if x.numel() == 0:
@@ -150,9 +153,9 @@ class HQMQStream(Stream):
         hqmq_seed(config.seed, layer_idx, role)  # validates role and layer_idx
         self.config, self.role, self.layer_idx = config, role, layer_idx
         self.check_finite = check_finite
-        # capacity in whole 32-token tiles: every head's codes and scales start 16-byte aligned
+        # capacity in whole 32-token tiles: every head's packed rows start 16-byte aligned
         # (the fused decode attention's tensor-core path copies them with 16-byte cp.async)
-        self.codes, self.scale = Growable(align=32), Growable(align=32)
+        self.codes = Growable(align=32)
         self.outliers = Growable()
         self.outlier_ptr = Growable()  # [1, 1, ceil(T / 32) * B * H + 1] int64 (Med3x only)
         self.secondary: Optional[torch.Tensor] = None
@@ -184,12 +187,11 @@ class HQMQStream(Stream):
             if n == 0:
                 return
             x = full[:, :, :n]
-        codes, scale, rec = _ops.hqmq_encode(x, self.secondary, self.config.radius_bits,
-                                             self.threshold, check_finite=self.check_finite)
+        codes, rec = _ops.hqmq_encode(x, self.secondary, self.config.radius_bits,
+                                      self.threshold, check_finite=self.check_finite)
         L0 = self.codes.length
         rec[:, 0] += L0  # token index within the stream
         self.codes.append(codes)
-        self.scale.append(scale)
         if self.config.outlier_factor is not None:
             self._index_append(rec, L0, self.codes.length)
         elif rec.shape[0]:
@@ -251,7 +253,6 @@ class HQMQStream(Stream):
             rec = rec[rec[:, 0] < n]
             self.outliers.reset(rec.view(1, 1, -1, 4) if rec.shape[0] else None)
         self.codes.truncate(n)
-        self.scale.truncate(n)
 
     def _index_truncate(self, n: int) -> None:
         """Drop the records of tokens >= n and rewrite the offsets from tile ``n // 32`` on."""
@@ -268,19 +269,18 @@ class HQMQStream(Stream):
         self._index_append(keep, n, n)
 
     def attention_operands(self):
-        """(codes, scale, secondary, outliers, outlier_ptr) for
+        """(codes, secondary, outliers, outlier_ptr) for
         ``kvq.ops.decode_attention_hqmq`` (records in index order; ``outlier_ptr`` empty
         without Med3x); the recent window is :meth:`residual_operand`."""
         rec = self._records()
         ptr = self.outlier_ptr.view()
         ptr = self._no_data((0,), torch.int64) if ptr is None else ptr.reshape(-1)
-        codes, scale = self.codes.view(), self.scale.view()
+        codes = self.codes.view()
         if codes is None:  # every token so far is in the window
             B, H, D = self._shape
-            codes = self._no_data((B, H, 0, _ops.hqmq_words(D, self.config.secondary_size,
-                                                          self.config.radius_bits)), torch.int32)
-            scale = self._no_data((B, H, 0), torch.float16)
-        return codes, scale, self.secondary, rec, ptr
+            codes = self._no_data((B, H, 0, _ops.hqmq_units(D, self.config.secondary_size,
+                                                          self.config.radius_bits)), torch.int16)
+        return codes, self.secondary, rec, ptr
 
     def residual_operand(self) -> torch.Tensor:
         """The recent window ``[B, H, Tr, D]`` for ``kvq.ops.decode_attention_hqmq``'s
@@ -299,8 +299,7 @@ class HQMQStream(Stream):
             return None
         parts = []
         if self.codes.length:
-            parts.append(_ops.hqmq_decode(self.codes.view(), self.scale.view(), self.secondary,
-                                          self._records(), self.config.radius_bits,
+            parts.append(_ops.hqmq_decode(self.codes.view(), self.secondary, self._records(), self.config.radius_bits,
                                           self._shape[2], self.dtype))
         if self.residual_len:
             parts.append(self.residual)
@@ -317,8 +316,7 @@ class HQMQStream(Stream):
                 rec = rec[int(ptr[0, 0, a // TILE * BH]):int(ptr[0, 0, -(-e // TILE) * BH])]
             rec = rec[(rec[:, 0] >= a) & (rec[:, 0] < e)].clone()
             rec[:, 0] -= a
-            parts.append(_ops.hqmq_decode(self.codes.view()[:, :, a:e].contiguous(),
-                                          self.scale.view()[:, :, a:e].contiguous(), self.secondary, rec,
+            parts.append(_ops.hqmq_decode(self.codes.view()[:, :, a:e].contiguous(), self.secondary, rec,
                                           self.config.radius_bits, self._shape[2], self.dtype))
         if b > c:
             parts.append(self.residual[:, :, max(a, c) - c:b - c])
@@ -329,7 +327,7 @@ class HQMQStream(Stream):
         return self.codes.length + self.residual_len
 
     def tensors(self):
-        return {"codes": self.codes.view(), "scale": self.scale.view(),
+        return {"codes": self.codes.view(),
                 "outliers": self.outliers.view(), "outlier_ptr": self.outlier_ptr.view(),
                 "secondary": self.secondary, "threshold": self.threshold,
                 "residual": self.residual}
@@ -368,7 +366,6 @@ class HQMQStream(Stream):
         self._shape = None
         self._check(state["proto"], "state['proto']")
         self.codes.reset(state.get("codes"))
-        self.scale.reset(state.get("scale"))
         self.outliers.reset(state.get("outliers"))
         self.secondary = state.get("secondary")
         self.threshold = state.get("threshold")

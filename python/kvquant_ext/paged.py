@@ -21,7 +21,7 @@ import torch
 from . import _ops
 from ._build_config import DTYPES_TEXT, HEAD_DIMS, HEAD_DIMS_TEXT
 from .config import CompressionConfig, FP16Config, GroupQuantBase, HQMQConfig, QuantSpec, get_config
-from .hqmq import chunk_norms, hqmq_secondary
+from .hqmq import MAX_SCALE, chunk_norms, hqmq_secondary
 from .streams import max_abs_of
 
 __all__ = ["PagedKVCache"]
@@ -52,7 +52,7 @@ class _Seq:
 
 class _Layer:
     """The pools and the per-sequence page lists of one layer.  Compressed pools per role:
-    group quantization (codes, scale, zero), HQMQ (codes, scale) and the role's secondary sets
+    group quantization (codes, scale, zero), HQMQ (packed rows) and the role's secondary sets
     in ``secondary``."""
 
     def __init__(self, H, P, D, dtype, device, n_fp, n_comp, kspec, vspec, hqmq=None, layer_idx=0):
@@ -74,9 +74,8 @@ class _Layer:
                                    torch.zeros(sshape, dtype=torch.float16, device=device),
                                    torch.zeros(sshape, dtype=torch.float16, device=device))
         elif hqmq is not None:
-            W = _ops.hqmq_words(D, hqmq.secondary_size, hqmq.radius_bits)
-            self.comp = {role: (torch.zeros((n_comp, H, P, W), dtype=torch.int32, device=device),
-                                torch.zeros((n_comp, H, P), dtype=torch.float16, device=device))
+            U = _ops.hqmq_units(D, hqmq.secondary_size, hqmq.radius_bits)
+            self.comp = {role: (torch.zeros((n_comp, H, P, U), dtype=torch.int16, device=device),)
                          for role in ("k", "v")}
             # the sets of the contiguous cache's stream of this (layer, role): equal codes
             self.secondary = {role: hqmq_secondary(H, hqmq.secondary_size, hqmq.seed, layer_idx=layer_idx,
@@ -287,15 +286,16 @@ class PagedKVCache:
         """Raise if ``k`` or ``v`` holds NaN/Inf, or (compressed layers) magnitudes the pages' fp16
         scales cannot represent.  Synchronises with the device once."""
         # compressed pages hold fp16 scales / zero points (group quantization: |x| <= 65504)
-        # or fp16 radius scales (HQMQ: 4-element chunk norms <= 65504); one reduction, one sync
+        # or packed radius scales (HQMQ: 4-element chunk norms <= 61440); one reduction, one sync
         mag = (lambda x: chunk_norms(x).amax()) if layer.hqmq is not None else max_abs_of
+        bound = MAX_SCALE if layer.hqmq is not None else 65504.0
         m = float(torch.maximum(mag(k), mag(v)))
         if not math.isfinite(m):
             raise ValueError("argument 'k' or 'v' contains NaN or Inf (cache check_finite=True)")
-        if layer.compressed and m > 65504.0:
-            name = "k" if float(mag(k)) > 65504.0 else "v"
+        if layer.compressed and m > bound:
+            name = "k" if float(mag(k)) > bound else "v"
             what = "4-element chunks with norm" if layer.hqmq is not None else "entries with magnitude"
-            raise ValueError(f"argument '{name}' has {what} above 65504, which the compressed pages' fp16 "
+            raise ValueError(f"argument '{name}' has {what} above {bound:g}, which the compressed pages' "
                              "scales cannot represent (cache check_finite=True)")
 
     def _comp_pages_at(self, length: int) -> int:
@@ -380,21 +380,19 @@ class PagedKVCache:
         :meth:`_encode_pages` gives the whole page."""
         page, pos = comp_slots // self.page_size, comp_slots % self.page_size
         for role, x in (("k", kt), ("v", vt)):
-            codes, scale = layer.comp[role]
-            c, sc, _ = _ops.hqmq_encode(x.transpose(0, 1).unsqueeze(0).contiguous(), layer.secondary[role],
-                                        layer.hqmq.radius_bits, check_finite=False)  # [1, H, N, W], [1, H, N]
+            codes, = layer.comp[role]
+            c, _ = _ops.hqmq_encode(x.transpose(0, 1).unsqueeze(0).contiguous(), layer.secondary[role],
+                                    layer.hqmq.radius_bits, check_finite=False)  # [1, H, N, U]
             codes[page, :, pos] = c[0].transpose(0, 1)
-            scale[page, :, pos] = sc[0].transpose(0, 1)
 
     def _encode_pages(self, layer: _Layer, src: torch.Tensor, dst: torch.Tensor) -> None:
         """HQMQ: full-precision pages ``src`` (each one ``[1, H, P, D]`` block) encoded into the
         compressed pages ``dst`` (int64 device tensors; device launches only)."""
         for role, fp in (("k", layer.k_fp), ("v", layer.v_fp)):
-            codes, scale = layer.comp[role]
-            c, sc, _ = _ops.hqmq_encode(fp.index_select(0, src), layer.secondary[role], layer.hqmq.radius_bits,
-                                        check_finite=False)
+            codes, = layer.comp[role]
+            c, _ = _ops.hqmq_encode(fp.index_select(0, src), layer.secondary[role], layer.hqmq.radius_bits,
+                                    check_finite=False)
             codes.index_copy_(0, dst, c)
-            scale.index_copy_(0, dst, sc)
 
     # ------------------------------------------------------------------ attention
     def batch_tables(self, layer_idx: int, seq_ids: Sequence[int]):
@@ -524,9 +522,9 @@ class PagedKVCache:
         """The compressed pages ``idx`` (int64 ``[n]``, device) of role ``"k"``/``"v"`` decoded from
         their codes: ``[n, H, P, D]`` in the cache's dtype (device launches only)."""
         if layer.hqmq is not None:
-            codes, scale = layer.comp[role]
+            codes, = layer.comp[role]
             none = torch.empty((0, 4), dtype=torch.int32, device=idx.device)
-            return _ops.hqmq_decode(codes[idx], scale[idx], layer.secondary[role], none, layer.hqmq.radius_bits,
+            return _ops.hqmq_decode(codes[idx], layer.secondary[role], none, layer.hqmq.radius_bits,
                                     self.head_dim, self.dtype)
         codes, scale, zero = layer.comp[role]
         spec = layer.kspec if role == "k" else layer.vspec

@@ -59,25 +59,23 @@ constexpr int kHqmqStages = 2;       // cp.async ring depth per warp
 constexpr int kHqmqSmemLimit = 220 * 1024;  // dynamic, below the 227 KB opt-in maximum
 constexpr int kHqmqTailChunk = 2;     // generic-loop tokens per step in the tail (4 made D = 128 spill)
 
-/// Max words per token row at head dim D (F <= 16 + 8 bits per chunk).
+/// Max units per packed row at head dim D (E <= 20 bits per chunk, digits <= 4 bits, scale 8).
 template <int D>
 struct HqmqDims {
   static constexpr int C = D / 4;
-  static constexpr int WMAX = (C * 24 + 31) / 32;
-  static constexpr int CODES_MAX = kTile * WMAX * 4;  // bytes of one role's tile codes
+  static constexpr int UMAX = (C * 24 + 8 + 15) / 16;
+  static constexpr int CODES_MAX = kTile * UMAX * 2;  // bytes of one role's tile of packed rows
 };
 
-/// Byte layout of one ring stage (runtime W): K codes, V codes, K scales, V scales, 16 bytes
-/// of padding (a field's second word may be read one word past a role's codes).
+/// Byte layout of one ring stage of the general path (runtime U): the K tile's packed rows, the
+/// V tile's, 16 bytes of padding (a field read may touch two units past a row's end).
 struct HqmqTileLayout {
-  int kc, vc, ks, vs, bytes;
-  KVQ_HOST_DEVICE static HqmqTileLayout make(int wk, int wv) {
+  int kc, vc, bytes;
+  KVQ_HOST_DEVICE static HqmqTileLayout make(int uk, int uv) {
     HqmqTileLayout l;
     l.kc = 0;
-    l.vc = kTile * wk * 4;
-    l.ks = l.vc + kTile * wv * 4;
-    l.vs = l.ks + kTile * 2;
-    l.bytes = ((l.vs + kTile * 2 + 16) + 15) / 16 * 16;
+    l.vc = kTile * uk * 2;
+    l.bytes = ((l.vc + kTile * uv * 2 + 16) + 15) / 16 * 16;
     return l;
   }
 };
@@ -93,26 +91,38 @@ inline bool hqmq_mma_layout_ok(const HqmqAttnParams& p) {
   if (!supported_head_dim(p.D)) return false;
   if (p.Hq / p.H > 8) return false;
   for (const HqmqKV* s : {&p.k, &p.v}) {
-    if (!aligned16(s->codes, s->codes_sb, s->codes_sh, 4) || !aligned16(s->scale, s->scale_sb, s->scale_sh, 2))
-      return false;
+    if (!aligned16(s->codes, s->codes_sb, s->codes_sh, 2)) return false;
   }
   return p.Tc >= kTile;
 }
 
-/// \brief Compile-time layout of the v2 path (FMT 3: F = 16, b_r = 4, 24 S <= 4096) at head dim D.
-/// Ring stage: K codes (32 rows of 4 W bytes), V codes (rows padded by 16 bytes so that the lanes
-/// reading tokens 2c of one chunk block hit distinct banks), K scales, V scales (contiguous: one
-/// 16-byte copy per lane 0..7).  Codebooks: 2^12 entries per role (all 12-bit direction indices;
+/// Compile-time row layout of the formats with R = 9 and a compile-time field width (FMT 1 and
+/// 3: E = 12, FMT 2: E = 15; see HqmqFmt) at head dim D.
+template <int FMT, int D>
+KVQ_HOST_DEVICE constexpr hqmq::RowLayout hqmq_fmt_row() {
+  return hqmq::hqmq_row_layout(D, FMT == 2 ? 192 : 96, FMT == 2 ? 6 : 4);
+}
+
+/// \brief Compile-time layout of the v2 path (FMT 3: F = 16, b_r = 4, R = 9) at head dim D.
+/// Ring stage: K fields (32 rows of 4 W bytes: the 16-bit fields of the packed rows, unpacked),
+/// V fields (rows padded by 16 bytes so that the lanes reading tokens 2c of one chunk block hit
+/// distinct banks), K scales, V scales (fp16).  The tile's packed rows land by cp.async at KL
+/// (inside the K fields) and VL (the end of the V fields) and are unpacked in place, one token
+/// per lane (hqmq_unpack16).  Codebooks: 2^12 entries per role (all 12-bit direction indices;
 /// entries past 24 S repeat entry 24 S - 1, as the general path clamps them), K at byte 0, V at CB.
 template <int D>
 struct Hq16 {
   static_assert(D == 64 || D == 128, "the v2 HQMQ layout is for D = 64 and 128");
+  static constexpr hqmq::RowLayout ROW = hqmq_fmt_row<3, D>();
+  static constexpr int U = ROW.units;         // units per packed row (16 or 31)
+  static constexpr int PACKED = kTile * U * 2;  // bytes of one role's packed tile
   static constexpr int W = D / 8;             // words per token row (32 chunks of 16 bits at D = 128)
   static constexpr int KROW = 4 * W;          // bytes per K row in the ring
   static constexpr int VROW = 4 * W + 16;     // bytes per V row (padded)
-  static constexpr int CPR = KROW / 16;       // 16-byte copies per row (2 or 4)
   static constexpr int KC = 0, VC = kTile * KROW, KS = VC + kTile * VROW, VS = KS + 2 * kTile;
+  static constexpr int KL = KC, VL = KS - PACKED;
   static constexpr int STAGE = (VS + 2 * kTile + 15) / 16 * 16;
+  static_assert(PACKED <= kTile * KROW && PACKED % 16 == 0, "packed tiles land inside their role's fields");
   static constexpr int NCB = 4096;            // direction indices of 12 bits
   static constexpr int CB = NCB * 8;          // bytes of one role's codebook (fp16x4 entries)
   static constexpr int NK = D / 16;           // k-steps of QK = K chunks per lane and token
@@ -121,11 +131,11 @@ struct Hq16 {
   static constexpr int VW = VP / 2;           // V words per lane and token (1 or 2)
 };
 
-/// Is the v2 path (FMT 3) possible for p?  (F = 16, b_r = 4 for both roles, D in {64, 128}.)
+/// Is the v2 path (FMT 3) possible for p?  (F = 16, b_r = 4, R = 9 for both roles, D in {64, 128}.)
 inline bool hqmq_v2_ok(const HqmqAttnParams& p) {
   if (!(p.D == 64 || p.D == 128)) return false;
   for (const HqmqKV* s : {&p.k, &p.v})
-    if (s->field_bits != 16 || s->radius_bits != 4 || s->words != p.D / 8 || s->S < 1 ||
+    if (s->field_bits != 16 || s->radius_bits != 4 || s->row.R != 9 || s->S < 1 ||
         (int64_t)hqmq::kHurwitzUnits * s->S > 4096)
       return false;
   return true;
@@ -150,7 +160,7 @@ inline HqmqSmem hqmq_smem_plan(const HqmqAttnParams& p, int fmt = 0) {
       m.mma = true, m.cb_k = cb, m.cb_v = cb, m.region = region, m.total = total;
     }
   } else if (hqmq_mma_layout_ok(p)) {
-    const HqmqTileLayout tl = HqmqTileLayout::make(p.k.words, p.v.words);
+    const HqmqTileLayout tl = HqmqTileLayout::make(p.k.units, p.v.units);
     const size_t ring = (size_t)kHqmqStages * tl.bytes;
     const size_t region = (ring > slot16 ? ring : slot16) + sizeof(float) * kTile * 8;  // + [32][8] buffer
     const size_t cbk = (size_t)hqmq::kHurwitzUnits * 8 * p.k.S, cbv = (size_t)hqmq::kHurwitzUnits * 8 * p.v.S;
@@ -167,24 +177,16 @@ __device__ __forceinline__ uint32_t rcode_pair(uint32_t rc) {
   return hsub2_u32((rc * 0x00010001u) | 0x64006400u, 0x64006400u);
 }
 
-/// Field of chunk `chunk` of a token row in shared memory (reads row[w] and row[w + 1]).
-/// FC > 0: the field width F is a compile-time constant (FC == F); fields of a width that
-/// divides 32 never straddle words and need one load.
-template <int FC>
-__device__ __forceinline__ uint32_t smem_field(const uint32_t* row, int chunk, int F, uint32_t fmask) {
-  if constexpr (FC > 0 && 32 % (FC > 0 ? FC : 1) == 0) {
-    const int bit = chunk * FC;
-    return (row[bit >> 5] >> (bit & 31)) & fmask;
-  } else {
-    const int bit = chunk * (FC > 0 ? FC : F);
-    const uint32_t lo = row[bit >> 5], hi = row[(bit >> 5) + 1];
-    return __funnelshift_r(lo, hi, bit & 31) & fmask;
-  }
+/// x / 9^i for x < 2^16, i in 0..4 (multiply by ceil(2^32 / 9^i), keep the high word).
+__device__ __forceinline__ uint32_t div_pow9(uint32_t x, int i) {
+  const uint32_t m = i == 1 ? 477218589u : i == 2 ? 53024288u : i == 3 ? 5891588u : 654621u;
+  return i == 0 ? x : __umulhi(x, m);
 }
 
 /// Field formats the mma path is compiled for: 0 = any (runtime widths), 1 = hqmq-3.79 for
 /// keys and values (S = 96, b_r = 4: F = 16), 2 = hqmq-5 (S = 192, b_r = 6: F = 19), 3 = the
-/// F = 16 format on the v2 layout (hqmq_warp_mma16 below; D = 64 and 128 only).
+/// F = 16 format on the v2 layout (hqmq_warp_mma16 below; D = 64 and 128 only).  FMT 1..3 also
+/// fix R = 9 (24 S = 9 * 2^L), so the packed row layout is a compile-time constant.
 template <int FMT>
 struct HqmqFmt {
   static constexpr int F = FMT == 1 || FMT == 3 ? 16 : FMT == 2 ? 19 : 0;
@@ -192,9 +194,46 @@ struct HqmqFmt {
 };
 inline int hqmq_fmt(const HqmqAttnParams& p) {
   auto is = [&](int F, int RB) {
-    return p.k.field_bits == F && p.k.radius_bits == RB && p.v.field_bits == F && p.v.radius_bits == RB;
+    return p.k.field_bits == F && p.k.radius_bits == RB && p.v.field_bits == F && p.v.radius_bits == RB &&
+           p.k.row.R == 9 && p.v.row.R == 9;
   };
   return is(16, 4) ? 1 : is(19, 6) ? 2 : 0;
+}
+
+/// Field of chunk `chunk` of a packed row in shared memory (`row`: its first unit; reads may
+/// touch up to two units past the row).  FMT > 0: the compile-time layout hqmq_fmt_row.
+template <int FMT, int D>
+__device__ __forceinline__ uint32_t smem_packed_field(const uint16_t* row, int chunk, const hqmq::RowLayout& rl) {
+  if constexpr (FMT == 0) {
+    const int bit = chunk * rl.E, j = bit >> 4;
+    const uint64_t v = (uint64_t)row[j] | (uint64_t)row[j + 1] << 16 | (uint64_t)row[j + 2] << 32;
+    const uint32_t plain = (uint32_t)(v >> (bit & 15)) & ((1u << rl.E) - 1u);
+    const int gi = chunk / rl.K;
+    const int at = gi < rl.G ? rl.groups_at + 16 * gi : rl.tail_at;
+    const int w = gi < rl.G ? 16 : rl.tail_bits;
+    const uint32_t gv = (((uint32_t)row[at >> 4] | (uint32_t)row[(at >> 4) + 1] << 16) >> (at & 15)) & ((1u << w) - 1u);
+    const uint32_t digit = (gv / hqmq::radix_pow(rl.R, chunk - gi * rl.K)) % (uint32_t)rl.R;
+    return (digit << rl.E) | plain;
+  } else {
+    constexpr hqmq::RowLayout L = hqmq_fmt_row<FMT, D>();
+    const int bit = chunk * L.E, j = bit >> 4;
+    const uint32_t v = (uint32_t)row[j] | (uint32_t)row[j + 1] << 16;  // E + 15 <= 32
+    const uint32_t plain = (v >> (bit & 15)) & ((1u << L.E) - 1u);
+    const int gi = chunk / 5;
+    const int at = gi < L.G ? L.groups_at + 16 * gi : L.tail_at;
+    const uint32_t gv = ((uint32_t)row[at >> 4] | (uint32_t)row[(at >> 4) + 1] << 16) >> (at & 15);
+    const uint32_t q = div_pow9(gv & (gi < L.G ? 0xffffu : (1u << L.tail_bits) - 1u), chunk - 5 * gi);
+    return ((q - 9u * __umulhi(q, 477218589u)) << L.E) | plain;
+  }
+}
+
+/// The fp16 bits of a packed row's radius scale (row in shared memory; SB <= 15 bits).
+template <int FMT, int D>
+__device__ __forceinline__ uint32_t smem_packed_scale(const uint16_t* row, const hqmq::RowLayout& rl) {
+  const int at = FMT == 0 ? rl.scale_at : hqmq_fmt_row<FMT, D>().scale_at;
+  const int sb = FMT == 0 ? rl.scale_bits : hqmq_fmt_row<FMT, D>().scale_bits;
+  const uint32_t v = ((uint32_t)row[at >> 4] | (uint32_t)row[(at >> 4) + 1] << 16) >> (at & 15);
+  return (v & ((1u << sb) - 1u)) << (15 - sb);
 }
 
 /// Field format of the launch: hqmq_fmt, with F = 16 / b_r = 4 on the v2 layout (3) wherever it
@@ -217,18 +256,16 @@ __device__ __forceinline__ void hqmq_load_row(const HqmqKV& s, int64_t pb, int64
                                               float (&x)[D / 32]) {
   constexpr int EPL = D / 32;
   constexpr int STEP = EPL >= 4 ? 4 : EPL;
-  const uint32_t* codes =
-      reinterpret_cast<const uint32_t*>(s.codes) + pb * s.codes_sb + h * s.codes_sh + row * s.words;
+  const uint16_t* codes =
+      reinterpret_cast<const uint16_t*>(s.codes) + pb * s.codes_sb + h * s.codes_sh + row * s.units;
   const float maxq = (float)((1 << s.radius_bits) - 1);
-  const float step = hqmq::div_rn(half_bits_to_float(__ldg(reinterpret_cast<const unsigned short*>(s.scale) +
-                                                         pb * s.scale_sb + h * s.scale_sh + row)),
-                                maxq);
+  const float step = hqmq::div_rn(half_bits_to_float(hqmq::read_scale(codes, s.row)), maxq);
   const float* sec = s.secondary + h * s.S * 4;
 #pragma unroll
   for (int e = 0; e < EPL; e += STEP) {
     const int ch = lane * EPL + e;
     float o[4];
-    hqmq::decode_chunk(hqmq::read_field(codes, ch / 4, s.field_bits), s.radius_bits, step, sec, s.S, o);
+    hqmq::decode_chunk(hqmq::read_field(codes, s.row, ch / 4), s.radius_bits, step, sec, s.S, o);
 #pragma unroll
     for (int u = 0; u < STEP; ++u) x[e + u] = STEP == 4 ? o[u] : pick4(o, (ch & 3) + u);
   }
@@ -259,29 +296,24 @@ __device__ __forceinline__ void hqmq_load_token(const HqmqAttnParams& p, const H
   }
 }
 
-/// Addresses of one 32-token tile of a (row, KV head): K / V codes (32 rows of W words each,
-/// contiguous) and K / V radius scales (32 fp16, contiguous).
+/// Addresses of one 32-token tile of a (row, KV head): the K / V packed rows (32 rows of U
+/// units each, contiguous, 16-byte aligned).
 struct HqmqTilePtrs {
-  const int32_t* kc;
-  const int32_t* vc;
-  const uint16_t* ks;
-  const uint16_t* vs;
+  const int16_t* kc;
+  const int16_t* vc;
 };
 
 /// Tile source of the tensor-core paths: a contiguous cache row [T, W] / [T] of (b, h); the
 /// tile at t0 is t0 rows past the row's start.  (Paged caches supply HqmqPageTiles instead.)
 struct HqmqRowTiles {
   HqmqTilePtrs row;
-  int64_t wk, wv;
-  __device__ __forceinline__ HqmqTilePtrs at(int64_t t0) const {
-    return {row.kc + t0 * wk, row.vc + t0 * wv, row.ks + t0, row.vs + t0};
-  }
+  int64_t uk, uv;
+  __device__ __forceinline__ HqmqTilePtrs at(int64_t t0) const { return {row.kc + t0 * uk, row.vc + t0 * uv}; }
 };
 __device__ __forceinline__ HqmqRowTiles hqmq_row_tiles(const HqmqAttnParams& p, int64_t b, int64_t h) {
   HqmqRowTiles r;
-  r.row = {p.k.codes + b * p.k.codes_sb + h * p.k.codes_sh, p.v.codes + b * p.v.codes_sb + h * p.v.codes_sh,
-           p.k.scale + b * p.k.scale_sb + h * p.k.scale_sh, p.v.scale + b * p.v.scale_sb + h * p.v.scale_sh};
-  r.wk = p.k.words, r.wv = p.v.words;
+  r.row = {p.k.codes + b * p.k.codes_sb + h * p.k.codes_sh, p.v.codes + b * p.v.codes_sb + h * p.v.codes_sh};
+  r.uk = p.k.units, r.uv = p.v.units;
   return r;
 }
 
@@ -299,12 +331,12 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
   constexpr int NW = hqmq_warps(D);
   const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
   const int64_t BH = p.B * p.H, n = b * p.H + h;
-  const HqmqTileLayout TL = HqmqTileLayout::make(p.k.words, p.v.words);
-  const int WK = p.k.words, WV = p.v.words;
+  const HqmqTileLayout TL = HqmqTileLayout::make(p.k.units, p.v.units);
+  const int UK = p.k.units, UV = p.v.units;
   using FM = HqmqFmt<FMT>;  // compile-time widths where FMT != 0
-  const int FK = FM::F ? FM::F : p.k.field_bits, FV = FM::F ? FM::F : p.v.field_bits;
   const int RBK = FM::RB ? FM::RB : p.k.radius_bits, RBV = FM::RB ? FM::RB : p.v.radius_bits;
-  const uint32_t fmk = (1u << FK) - 1u, fmv = (1u << FV) - 1u;
+  const hqmq::RowLayout& rowk = p.k.row;  // (kernel parameter space: no registers)
+  const hqmq::RowLayout& rowv = p.v.row;
   const uint32_t rmk = (1u << RBK) - 1u, rmv = (1u << RBV) - 1u;
   const uint32_t dmaxk = (uint32_t)(hqmq::kHurwitzUnits * p.k.S - 1), dmaxv = (uint32_t)(hqmq::kHurwitzUnits * p.v.S - 1);
   const float inv_k = 1.f / (float)rmk, inv_v = 1.f / (float)rmv;
@@ -347,10 +379,8 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
       const int64_t t0 = first + (int64_t)k * NW * kTile;
       char* st = ring + (k % kHqmqStages) * TL.bytes;
       const HqmqTilePtrs tp = tiles.at(t0);
-      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.kc, tp.kc, kTile * WK * 4, lane);
-      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.vc, tp.vc, kTile * WV * 4, lane);
-      warp_copy_async<kTile * 2>(st + TL.ks, tp.ks, kTile * 2, lane);
-      warp_copy_async<kTile * 2>(st + TL.vs, tp.vs, kTile * 2, lane);
+      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.kc, tp.kc, kTile * UK * 2, lane);
+      warp_copy_async<HqmqDims<D>::CODES_MAX>(st + TL.vc, tp.vc, kTile * UV * 2, lane);
     }
     cp_async_commit();
   };
@@ -363,10 +393,8 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
     __syncwarp();
     const int64_t t0 = first + (int64_t)k * NW * kTile;
     const char* st = ring + (k % kHqmqStages) * TL.bytes;
-    const uint32_t* s_kc = reinterpret_cast<const uint32_t*>(st + TL.kc);
-    const uint32_t* s_vc = reinterpret_cast<const uint32_t*>(st + TL.vc);
-    const uint16_t* s_ks = reinterpret_cast<const uint16_t*>(st + TL.ks);
-    const uint16_t* s_vs = reinterpret_cast<const uint16_t*>(st + TL.vs);
+    const uint16_t* s_kc = reinterpret_cast<const uint16_t*>(st + TL.kc);
+    const uint16_t* s_vc = reinterpret_cast<const uint16_t*>(st + TL.vc);
 
     // ---------------- S^T = K q^T: 2 m-tiles of 16 tokens ----------------
     float sc[2][4];
@@ -374,9 +402,9 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) sc[mt][e] = 0.f;
-    const uint32_t* krow[4];  // token rows i, i + 8, 16 + i, 24 + i
+    const uint16_t* krow[4];  // token rows i, i + 8, 16 + i, 24 + i
 #pragma unroll
-    for (int u = 0; u < 4; ++u) krow[u] = s_kc + (8 * u + i) * WK;
+    for (int u = 0; u < 4; ++u) krow[u] = s_kc + (8 * u + i) * UK;
 #pragma unroll
     for (int kk = 0; kk < NK; ++kk) {
 #pragma unroll
@@ -384,7 +412,7 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
         uint32_t a[4];
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const uint32_t f = smem_field<FM::F>(krow[2 * mt + hh], 4 * kk + c, FK, fmk);
+          const uint32_t f = smem_packed_field<FMT, D>(krow[2 * mt + hh], 4 * kk + c, rowk);
           uint32_t dir = f >> RBK;
           dir = dir < dmaxk ? dir : dmaxk;  // corrupt codes stay in the codebook
           const uint2 cw = cbk[dir];
@@ -400,7 +428,7 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
     for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const float stp = half_bits_to_float(s_ks[16 * mt + i + 8 * hh]) * inv_k;
+        const float stp = half_bits_to_float((uint16_t)smem_packed_scale<FMT, D>(krow[2 * mt + hh], rowk)) * inv_k;
         sc[mt][2 * hh] *= stp * qmA;
         sc[mt][2 * hh + 1] *= stp * qmB;
       }
@@ -454,13 +482,13 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
     const uint32_t sel_give = odd ? 0x5410u : 0x7632u;  // the partner's
 #pragma unroll
     for (int kst = 0; kst < 2; ++kst) {
-      const uint32_t* vrow[2];  // my tokens 16 kst + 2c + 8 odd + {0, 1}
+      const uint16_t* vrow[2];  // my tokens 16 kst + 2c + 8 odd + {0, 1}
       float stp[2];             // their radius steps (folded into the A elements)
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int tl = 16 * kst + 2 * c + 8 * odd + u;
-        vrow[u] = s_vc + tl * WV;
-        stp[u] = half_bits_to_float(s_vs[tl]) * inv_v;
+        vrow[u] = s_vc + tl * UV;
+        stp[u] = half_bits_to_float((uint16_t)smem_packed_scale<FMT, D>(vrow[u], rowv)) * inv_v;
       }
 #pragma unroll
       for (int mv = 0; mv < MV; ++mv) {
@@ -468,7 +496,7 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
         uint32_t x01[2], x23[2];
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          const uint32_t f = smem_field<FM::F>(vrow[u], cv, FV, fmv);
+          const uint32_t f = smem_packed_field<FMT, D>(vrow[u], cv, rowv);
           uint32_t dir = f >> RBV;
           dir = dir < dmaxv ? dir : dmaxv;
           const uint2 cw = cbv[dir];
@@ -600,6 +628,54 @@ __device__ __forceinline__ void lds_n(const char* src, uint32_t (&w)[N]) {
   }
 }
 
+/// `width` bits of a row held in registers from bit b (b and width compile-time after unrolling).
+template <int N>
+__device__ __forceinline__ uint32_t reg_bits(const uint32_t (&r)[N], int b, int width) {
+  const int j = b >> 5, o = b & 31;
+  uint32_t v = r[j] >> o;
+  if (o + width > 32) v |= r[j + 1] << (32 - o);
+  return v & ((1u << width) - 1u);
+}
+
+/// Unpack one role's packed tile (landed at byte `src` of stage `st`) into rows of 16-bit fields
+/// (at `dst`, ROWB bytes apart) and fp16 radius scales (at `sdst`): lane t unpacks token t.  The
+/// packed and unpacked rows overlap, so every lane reads its whole packed row before any writes.
+template <int D, int ROWB>
+__device__ __forceinline__ void hqmq_unpack16(char* st, int src, int dst, int sdst, int lane) {
+  using L = Hq16<D>;
+  constexpr hqmq::RowLayout R = L::ROW;
+  constexpr int NW = (L::U + 1) / 2 + 1;  // words covering a row from its word-aligned start
+  const int u0 = lane * L::U;
+  const uint32_t* base = reinterpret_cast<const uint32_t*>(st + src) + (u0 >> 1);
+  uint32_t w[NW];
+#pragma unroll
+  for (int j = 0; j < NW; ++j) w[j] = base[j];
+  __syncwarp();
+  uint32_t r[NW - 1];  // row bit b = bit b % 32 of r[b / 32]
+#pragma unroll
+  for (int j = 0; j < NW - 1; ++j) r[j] = __funnelshift_r(w[j], w[j + 1], (u0 & 1) * 16);
+  uint32_t out[L::W];
+#pragma unroll
+  for (int gi = 0; gi <= R.G; ++gi) {  // the G digit groups, then the tail
+    const int n = gi < R.G ? 5 : R.C - 5 * R.G;
+    uint32_t gv = n == 0 ? 0u
+                  : gi < R.G ? reg_bits(r, R.groups_at + 16 * gi, 16)
+                             : reg_bits(r, R.tail_at, R.tail_bits);
+#pragma unroll
+    for (int k = 0; k < n; ++k) {
+      const int ch = 5 * gi + k;
+      const uint32_t q = __umulhi(gv, 477218589u);  // gv / 9 (gv < 2^16)
+      const uint32_t f = ((gv - 9u * q) << 12) | reg_bits(r, 12 * ch, 12);
+      gv = q;
+      out[ch >> 1] = (ch & 1) ? out[ch >> 1] | (f << 16) : f;
+    }
+  }
+  uint4* d4 = reinterpret_cast<uint4*>(st + dst + lane * ROWB);
+#pragma unroll
+  for (int j = 0; j < L::W / 4; ++j) d4[j] = make_uint4(out[4 * j], out[4 * j + 1], out[4 * j + 2], out[4 * j + 3]);
+  reinterpret_cast<uint16_t*>(st + sdst)[lane] = (uint16_t)(reg_bits(r, R.scale_at, R.scale_bits) << (15 - R.scale_bits));
+}
+
 template <typename DType, int D, typename Tiles>
 __device__ void hqmq_warp_mma16(const HqmqAttnParams& p, const Tiles& tiles, int64_t b, int64_t h, int g,
                                 int64_t t_begin, int64_t t_end, int warp, float* slot, char* ring, float* buf,
@@ -643,22 +719,20 @@ __device__ void hqmq_warp_mma16(const HqmqAttnParams& p, const Tiles& tiles, int
 
   const int64_t first = t_begin + warp * kTile;
   const int ntiles = first < t_end ? (int)((t_end - first + NW * kTile - 1) / (NW * kTile)) : 0;
-  const int vdst = (lane / L::CPR) * L::VROW + (lane % L::CPR) * 16;  // this lane's V piece in a stage
   auto issue = [&](int k) {
     if (k < ntiles) {
       char* st = ring + (k & 1) * L::STAGE;
       const HqmqTilePtrs tp = tiles.at(first + (int64_t)k * NW * kTile);
-      // this lane's first 16-byte piece of each code tile; lanes 0..3 copy the K scales, 4..7 the V
-      const char* kc_src = reinterpret_cast<const char*>(tp.kc) + 16 * lane;
-      const char* vc_src = reinterpret_cast<const char*>(tp.vc) + 16 * lane;
-      const char* sc_src = lane < 4 ? reinterpret_cast<const char*>(tp.ks) + 16 * lane
-                                    : reinterpret_cast<const char*>(tp.vs) + 16 * (lane & 3);
+      const char* kc_src = reinterpret_cast<const char*>(tp.kc);
+      const char* vc_src = reinterpret_cast<const char*>(tp.vc);
 #pragma unroll
-      for (int j = 0; j < L::CPR; ++j) {  // 32 rows x KROW bytes = 32 CPR pieces of 16 bytes
-        cp_async16(st + L::KC + 16 * lane + 512 * j, kc_src + 512 * j);
-        cp_async16(st + L::VC + vdst + (32 / L::CPR) * L::VROW * j, vc_src + 512 * j);
+      for (int j = 0; j < (L::PACKED / 16 + 31) / 32; ++j) {  // the packed tiles, 16 bytes per lane and step
+        const int piece = 16 * (32 * j + lane);
+        if (piece < L::PACKED) {
+          cp_async16(st + L::KL + piece, kc_src + piece);
+          cp_async16(st + L::VL + piece, vc_src + piece);
+        }
       }
-      if (lane < 8) cp_async16(st + L::KS + 16 * lane, sc_src);
     }
     cp_async_commit();
   };
@@ -670,7 +744,10 @@ __device__ void hqmq_warp_mma16(const HqmqAttnParams& p, const Tiles& tiles, int
     cp_async_wait<1>();
     __syncwarp();
     const int64_t t0 = first + (int64_t)k * NW * kTile;
-    const char* st = ring + (k & 1) * L::STAGE;
+    char* st = ring + (k & 1) * L::STAGE;
+    hqmq_unpack16<D, L::KROW>(st, L::KL, L::KC, L::KS, lane);
+    hqmq_unpack16<D, L::VROW>(st, L::VL, L::VC, L::VS, lane);
+    __syncwarp();
     const uint16_t* s_ks = reinterpret_cast<const uint16_t*>(st + L::KS);
 
     // ---------------- S^T = K q^T: 2 m-tiles of 16 tokens ----------------

@@ -1,9 +1,9 @@
 // Decode attention over an HQMQ-compressed KV cache layer (keys and values both HQMQ, packed
-// codes + fp16 radius scales + Med3x outlier records): params, the outlier index and the CPU
+// rows + Med3x outlier records): params, the outlier index and the CPU
 // twin.  Torch-free.  Format of one role: include/kvq/hqmq/hqmq.h.
 //
 //   out[b, hq] = softmax_t(scale * q[b, hq] . K[b, hq / g, t] + mask) . V[b, hq / g, t]
-// with K/V token t < Tc = the HQMQ decode of (codes, scale) + the token's Med3x records
+// with K/V token t < Tc = the HQMQ decode of its packed row + the token's Med3x records
 // (outlier chunks decode to 0 in the dense codes, so a record's values are added), and token
 // t >= Tc = row t - Tc of the role's full-precision residual (the cache's recent window).
 //
@@ -33,16 +33,15 @@ constexpr int kHqmqTile = 32;  // tokens per outlier-index tile (= the mma path'
 
 /// \brief One role (keys or values) of an HQMQ cache layer.
 struct HqmqKV {
-  const int32_t* codes = nullptr;    // [B, H, T, W], inner [T, W] contiguous
-  const uint16_t* scale = nullptr;   // fp16 bits [B, H, T], inner T contiguous
+  const int16_t* codes = nullptr;    // [B, H, T, U] packed rows, inner [T, U] contiguous
   const float* secondary = nullptr;  // [H, S, 4] contiguous
   const int32_t* outliers = nullptr;  // [M, 4] records ordered by key (see above)
   const int64_t* outlier_ptr = nullptr;  // [ceil(T / 32) * B * H + 1] or nullptr (M == 0)
   int64_t num_outliers = 0;              // M
-  int64_t codes_sb = 0, codes_sh = 0;    // batch / head strides of codes (elements)
-  int64_t scale_sb = 0, scale_sh = 0;    // batch / head strides of scale (elements)
+  int64_t codes_sb = 0, codes_sh = 0;    // batch / head strides of codes (units)
   int64_t S = 1;
-  int radius_bits = 4, field_bits = 0, words = 0;
+  int radius_bits = 4, field_bits = 0, units = 0;
+  hqmq::RowLayout row;                   // hqmq_row_layout(D, S, radius_bits)
   // the recent window: tokens Tc .. T - 1 in full precision (the dtype of q), [B, H, T - Tc, D]
   // with inner [T - Tc, D] contiguous; nullptr when T == Tc
   const void* residual = nullptr;
@@ -77,15 +76,15 @@ KVQ_HOST_DEVICE void hqmq_record_range(const HqmqKV& s, int64_t BH, int64_t j, i
   *begin = a, *end = e;
 }
 
-/// \brief The dense decode of one token row of head h (packed codes `row`, fp16 radius scale
-/// bits) into x [D] (fp32); Med3x records are not added.
-inline void hqmq_decode_row_cpu(const HqmqKV& s, int64_t h, const uint32_t* row, uint16_t scale_bits, int64_t D,
-                                float* x) {
-  const float step = hqmq::div_rn(half_bits_to_float(scale_bits), (float)((1 << s.radius_bits) - 1));
+/// \brief The dense decode of one packed token row of head h into x [D] (fp32); Med3x records
+/// are not added.
+inline void hqmq_decode_row_cpu(const HqmqKV& s, int64_t h, const int16_t* row_in, int64_t D, float* x) {
+  const uint16_t* row = reinterpret_cast<const uint16_t*>(row_in);
+  const float step = hqmq::div_rn(half_bits_to_float(hqmq::read_scale(row, s.row)), (float)((1 << s.radius_bits) - 1));
   const float* sec = s.secondary + h * s.S * 4;
   for (int64_t c = 0; c < D / 4; ++c) {
     float o[4];
-    hqmq::decode_chunk(hqmq::read_field(row, (int)c, s.field_bits), s.radius_bits, step, sec, s.S, o);
+    hqmq::decode_chunk(hqmq::read_field(row, s.row, (int)c), s.radius_bits, step, sec, s.S, o);
     for (int i = 0; i < 4; ++i) x[4 * c + i] = o[i];
   }
 }
@@ -95,9 +94,8 @@ inline void hqmq_decode_row_cpu(const HqmqKV& s, int64_t h, const uint32_t* row,
 inline void hqmq_decode_tokens_cpu(const HqmqAttnParams& p, const HqmqKV& s, int64_t b, int64_t h,
                                    int64_t t0, int64_t t1, float* x) {
   const int64_t D = p.D, C = D / 4, n = b * p.H + h;
-  const uint32_t* codes = reinterpret_cast<const uint32_t*>(s.codes) + b * s.codes_sb + h * s.codes_sh;
-  const uint16_t* scale = s.scale + b * s.scale_sb + h * s.scale_sh;
-  for (int64_t t = t0; t < t1; ++t) hqmq_decode_row_cpu(s, h, codes + t * s.words, scale[t], D, x + (t - t0) * D);
+  const int16_t* codes = s.codes + b * s.codes_sb + h * s.codes_sh;
+  for (int64_t t = t0; t < t1; ++t) hqmq_decode_row_cpu(s, h, codes + t * s.units, D, x + (t - t0) * D);
   for (int64_t j = t0 / kHqmqTile; j * kHqmqTile < t1; ++j) {
     int64_t a, e;
     hqmq_record_range(s, p.B * p.H, j, n, &a, &e);

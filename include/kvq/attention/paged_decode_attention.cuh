@@ -388,21 +388,19 @@ struct HqmqPageTiles {
   const int32_t* bt;   // the sequence's block-table row
   int ps;              // page_shift
   HqmqTilePtrs head;   // head h of page 0
-  int64_t kc_sb, vc_sb, ks_sb, vs_sb, wk, wv;  // page strides (elements), words per row
+  int64_t kc_sb, vc_sb, uk, uv;  // page strides, units per row
   __device__ __forceinline__ HqmqTilePtrs at(int64_t t0) const {
     const int64_t pg = __ldg(bt + (int)(t0 >> ps)), r = t0 & ((int64_t(1) << ps) - 1);
-    return {head.kc + pg * kc_sb + r * wk, head.vc + pg * vc_sb + r * wv, head.ks + pg * ks_sb + r,
-            head.vs + pg * vs_sb + r};
+    return {head.kc + pg * kc_sb + r * uk, head.vc + pg * vc_sb + r * uv};
   }
 };
 __device__ __forceinline__ HqmqPageTiles hqmq_page_tiles(const PagedHqmqParams& hp, int64_t s, int64_t h) {
   const PagedKV& pk = hp.base.paged;
   HqmqPageTiles t;
   t.bt = pk.block_table + s * pk.bt_stride, t.ps = pk.page_shift;
-  t.head = {hp.k.codes + h * hp.k.codes_sh, hp.v.codes + h * hp.v.codes_sh, hp.k.scale + h * hp.k.scale_sh,
-            hp.v.scale + h * hp.v.scale_sh};
-  t.kc_sb = hp.k.codes_sb, t.vc_sb = hp.v.codes_sb, t.ks_sb = hp.k.scale_sb, t.vs_sb = hp.v.scale_sb;
-  t.wk = hp.k.words, t.wv = hp.v.words;
+  t.head = {hp.k.codes + h * hp.k.codes_sh, hp.v.codes + h * hp.v.codes_sh};
+  t.kc_sb = hp.k.codes_sb, t.vc_sb = hp.v.codes_sb;
+  t.uk = hp.k.units, t.uv = hp.v.units;
   return t;
 }
 

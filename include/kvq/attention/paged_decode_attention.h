@@ -226,9 +226,9 @@ inline void paged_plan_host(const int32_t* seq_lens, const int32_t* comp_lens, i
 
 /// \brief Paged decode attention over HQMQ pages (kvq.paged_decode_attention_hqmq).  `base`
 /// holds q / out, the shapes, the tables and the full-precision pools (base.k / base.v
-/// .residual); k / v the HQMQ pools: codes int32 [pages, H, P, W] and radius scales fp16
-/// [pages, H, P] (kvq.hqmq_encode of one [1, H, P, D] block per page: codes_sb / scale_sb are
-/// the page strides), the secondary sets [H, S, 4].  Pages hold no Med3x records.
+/// .residual); k / v the HQMQ pools: packed rows int16 [pages, H, P, U] (kvq.hqmq_encode of one
+/// [1, H, P, D] block per page: codes_sb is the page stride), the secondary sets [H, S, 4].
+/// Pages hold no Med3x records.
 struct PagedHqmqParams {
   DecodeAttnParams base;
   HqmqKV k, v;
@@ -305,9 +305,7 @@ void paged_decode_attention_hqmq_cpu(const PagedHqmqParams& hp, int64_t s, int64
                                      std::vector<float>& kbuf) {
   paged_attention_rows_cpu<DType>(hp.base, s, h, row, kbuf, [&](int role, int64_t page, int64_t r, float* x) {
     const HqmqKV& st = role == 0 ? hp.k : hp.v;
-    const uint32_t* codes =
-        reinterpret_cast<const uint32_t*>(st.codes) + page * st.codes_sb + h * st.codes_sh + r * st.words;
-    hqmq_decode_row_cpu(st, h, codes, st.scale[page * st.scale_sb + h * st.scale_sh + r], hp.base.D, x);
+    hqmq_decode_row_cpu(st, h, st.codes + page * st.codes_sb + h * st.codes_sh + r * st.units, hp.base.D, x);
   });
 }
 

@@ -7,7 +7,8 @@
 // with one 8/16/32-byte vector load.  Row reductions (radius scale, outlier mask) are xor
 // shuffles inside the LPT-lane group.  Each lane searches the S secondary quaternions for its
 // chunks (S products, broadcast reads of shared memory); the fields are staged in a per-warp
-// shared buffer and lane j assembles word j of the row (coalesced 4-byte stores).
+// shared buffer and lane j of the token's LPT lanes assembles units j, j + LPT, ... of the
+// packed row.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -168,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
   uint32_t* s_fields = TC ? s_words + warp * 4 * WC + 3 * WC : s_words + warp * WC;
   const int g = lane / LPT, l = lane % LPT;
   uint32_t* fields = s_fields + g * C;  // this token's C fields
-  const int RB = p.radius_bits, F = p.field_bits, W = p.words;
+  const int RB = p.radius_bits, U = p.row.units;
   const float maxq = (float)((1 << RB) - 1);
   const bool has_thr = p.threshold != nullptr;
   const int64_t S = p.S;
@@ -261,9 +262,9 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
         }
         mask = (uint64_t)lo | ((uint64_t)hi << 32);
       }
-      const uint16_t s16 = float_to_half_bits_ru(rmax);
-      const float step = div_rn(half_bits_to_float(s16), maxq);
-      if (p.status && valid && rmax > kMaxAbs) status |= kStatusOutOfRange;
+      const uint32_t scode = scale_code(rmax, p.row.scale_bits);
+      const float step = div_rn(half_bits_to_float((uint16_t)(scode << (15 - p.row.scale_bits))), maxq);
+      if (p.status && valid && rmax > kMaxScale) status |= kStatusOutOfRange;
 
       // Nearest codeword.
       int bs[CPT];
@@ -416,14 +417,11 @@ __global__ void __launch_bounds__(kThreads, TC ? 2 : 1) HqmqEncodeKernel(HqmqPar
       }
       __syncwarp();
       if (valid) {
-        uint32_t* words = reinterpret_cast<uint32_t*>(p.codes) + row * W;
-        for (int j = l; j < W; j += LPT) words[j] = assemble_word(fields, C, F, j);
-        if (l == 0) {
-          p.scale[row] = s16;
-          if (has_thr) {
-            p.flag_mask[row] = (int64_t)mask;
-            p.flag_count[row] = __popcll(mask);
-          }
+        uint16_t* units = reinterpret_cast<uint16_t*>(p.codes) + row * U;
+        for (int j = l; j < U; j += LPT) units[j] = assemble_unit(fields, p.row, scode, j);
+        if (l == 0 && has_thr) {
+          p.flag_mask[row] = (int64_t)mask;
+          p.flag_count[row] = __popcll(mask);
         }
       }
       __syncwarp();  // fields, s_u, s_thr, s_cand are rewritten in the next iteration
@@ -466,7 +464,7 @@ __global__ void __launch_bounds__(kThreads) HqmqDecodeKernel(HqmqParams p) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = blockDim.x >> 5;
   const int g = lane / LPT, l = lane % LPT;
-  const int RB = p.radius_bits, F = p.field_bits, W = p.words;
+  const int RB = p.radius_bits, U = p.row.units;
   const float maxq = (float)((1 << RB) - 1);
   const int64_t S = p.S;
   DType* out = static_cast<DType*>(p.out);
@@ -484,13 +482,13 @@ __global__ void __launch_bounds__(kThreads) HqmqDecodeKernel(HqmqParams p) {
       const int64_t t = t0 + g;
       if (t >= t_end) continue;  // no shuffles below
       const int64_t row = n * p.T + t;
-      const uint32_t* words = reinterpret_cast<const uint32_t*>(p.codes) + row * W;
-      const float step = div_rn(half_bits_to_float(p.scale[row]), maxq);
+      const uint16_t* units = reinterpret_cast<const uint16_t*>(p.codes) + row * U;
+      const float step = div_rn(half_bits_to_float(read_scale(units, p.row)), maxq);
       VecT<DType, 4 * CPT> d;
 #pragma unroll
       for (int k = 0; k < CPT; ++k) {
         float o[4];
-        decode_chunk(read_field(words, l * CPT + k, F), RB, step, s_sec, S, o);
+        decode_chunk(read_field(units, p.row, l * CPT + k), RB, step, s_sec, S, o);
 #pragma unroll
         for (int i = 0; i < 4; ++i) d.v[4 * k + i] = from_float<DType>(o[i]);
       }
@@ -537,7 +535,7 @@ inline size_t hqmq_encode_smem(int64_t S, int CPT, bool tc) {
   return (32 * q + (size_t)S) * sizeof(float4) + warps * wc * (sizeof(float4) + 4 * sizeof(uint32_t));
 }
 
-/// \brief Dense encode (codes, scale, outlier mask/count scratch).  C = CPT * LPT chunks.
+/// \brief Dense encode (packed rows, outlier mask/count scratch).  C = CPT * LPT chunks.
 /// S <= kTcMaxSecondary: tensor-core search (exact); larger S: the fp32 S-way loop.
 template <typename DType, int CPT, int LPT>
 cudaError_t HqmqEncode(const HqmqParams& p, cudaStream_t stream) {

@@ -15,13 +15,23 @@
 //   Ties go to the lowest s; the chunk itself (not u = x / |x|) is used, which scales every
 //   score by |x| and leaves the argmax unchanged.
 //
-// Packed layout, per (row n = flattened leading index, token t):
-//   codes  int32 [N, T, W],  W = ceil(C * F / 32),  C = D / 4 chunks,
-//          F = DB + RB bits per chunk, DB = ceil(log2(24 S)), RB = radius_bits.
-//          Chunk c's field sits at bits [c F, (c + 1) F) of the row's little-endian
-//          bitstream of 32-bit words (a field spans at most two words):
-//          field = dir << RB | rcode.
-//   scale  fp16 bits [N, T]  = largest radius of the row's non-outlier chunks, rounded up.
+// Packed row, per (row n = flattened leading index, token t): codes int16 [N, T, U], one
+// little-endian bitstream of U 16-bit units per row.  C = D / 4 chunks; a chunk's field is
+// dir << RB | rcode (F = DB + RB bits, DB = ceil(log2(24 S)), RB = radius_bits), split as
+//   field = digit * 2^E + plain,   E = L + RB,  L = DB - 4,
+// so plain = (dir mod 2^L) << RB | rcode and digit = dir >> L in [0, R), R = ceil(24 S / 2^L)
+// (9 for S = 96 and S = 192: 24 S = 9 * 2^L).  The row holds, from bit 0:
+//   plain fields  C x E bits (chunk c at bits [c E, (c + 1) E));
+//   digit groups  G = C / K units of 16 bits, K = the most base-R digits a 16-bit unit holds
+//                 (5 for R = 9, else 4): group j = sum_i digit(K j + i) R^i;
+//   tail          the last C - G K digits as one base-R number in tail_bits bits (0 if none);
+//   scale         the rest of the row's last unit, SB = min(15, 16 U - scale_at) >= 8 bits: the
+//                 top SB bits of an fp16's 15 magnitude bits (5 exponent, SB - 5 mantissa
+//                 bits), the smallest such value >= the largest radius of the row's non-outlier
+//                 chunks; the fp16 value is scale_code << (15 - SB).  U = ceil((scale_at + 8) / 16).
+// hqmq-3.79 (S = 96, RB = 4): 31 units at D = 128 (SB = 9), 16 at D = 64 (SB = 12); hqmq-5
+// (S = 192, RB = 6): 37 / 19 units (SB = 9 / 12).  Coded chunk norms must be <= kMaxScale
+// (61440, representable at every SB).
 //   decode: chunk = (rcode * (scale / (2^RB - 1))) * (P[dir % 24] . S_h[dir / 24]).
 //   outliers (Med3x) int32 [M, 4], one 16-byte record per outlier chunk:
 //          {t, n << 8 | c, half(v0) | half(v1) << 16, half(v2) | half(v3) << 16}
@@ -43,15 +53,22 @@ namespace hqmq {
 constexpr int kHurwitzUnits = 24;
 constexpr int kMaxSecondary = 2048;  // shared memory: S * 16 bytes
 constexpr int kMaxChunks = 64;       // D <= 256 (the outlier mask is one uint64 per row)
-constexpr float kMaxAbs = 65504.0f;  // fp16 max: scales and outlier values must fit
+constexpr float kMaxAbs = 65504.0f;    // fp16 max: outlier values must fit
+constexpr float kMaxScale = 61440.0f;  // coded chunk norms must fit: exact at every scale width
+constexpr int kMaxUnits = 128;         // units per row (D = 256, RB = 8, S = 2048: 101)
+
+/// \brief Bit layout of a packed row (see the file comment).
+struct RowLayout {
+  int C = 0, E = 0, R = 0, K = 0, G = 0;
+  int tail_bits = 0, groups_at = 0, tail_at = 0, scale_at = 0, scale_bits = 0, units = 0;
+};
 
 /// \brief Parameters of one HQMQ encode or decode call.
 struct HqmqParams {
   const void* x = nullptr;            // [N, T, D] input (encode), contiguous, 16-byte aligned
   void* out = nullptr;                // [N, T, D] output (decode)
   const float* secondary = nullptr;   // [H, S, 4] unit quaternions
-  int32_t* codes = nullptr;           // [N, T, W]
-  uint16_t* scale = nullptr;          // [N, T] fp16 bits
+  int16_t* codes = nullptr;           // [N, T, U] packed rows
   const float* threshold = nullptr;   // [H] outlier threshold on chunk norms, or nullptr
   int64_t* flag_mask = nullptr;       // [N * T] scratch: outlier chunks of each row (encode)
   int32_t* flag_count = nullptr;      // [N * T] scratch: popcount of flag_mask
@@ -67,20 +84,104 @@ struct HqmqParams {
   int radius_bits = 0;                // RB in 1..8
   int dir_bits = 0;                   // DB = ceil(log2(24 S))
   int field_bits = 0;                 // F = DB + RB
-  int words = 0;                      // W = ceil(C F / 32)
+  RowLayout row;                      // hqmq_row_layout(D, S, RB); row.units = U
 };
 
 /// \brief DB = ceil(log2(24 S)).
-KVQ_HOST_DEVICE int hqmq_dir_bits(int64_t S) {
+KVQ_HOST_DEVICE constexpr int hqmq_dir_bits(int64_t S) {
   int b = 0;
   while (((int64_t)1 << b) < kHurwitzUnits * S) ++b;
   return b;
 }
 
-/// \brief Words per packed row.
-KVQ_HOST_DEVICE int hqmq_words(int64_t D, int64_t S, int radius_bits) {
-  const int64_t F = hqmq_dir_bits(S) + radius_bits;
-  return (int)((D / 4 * F + 31) / 32);
+/// \brief The layout of a packed row at head dim D (see the file comment).
+KVQ_HOST_DEVICE constexpr RowLayout hqmq_row_layout(int64_t D, int64_t S, int radius_bits) {
+  RowLayout l;
+  const int DB = hqmq_dir_bits(S), L = DB - 4;  // DB >= 5 (24 S >= 24)
+  l.C = (int)(D / 4);
+  l.E = L + radius_bits;
+  l.R = (int)((kHurwitzUnits * S + ((int64_t)1 << L) - 1) >> L);  // in (8, 16]
+  l.K = l.R == 9 ? 5 : 4;                                          // 9^5 < 2^16 < 10^5
+  l.G = l.C / l.K;
+  const int r = l.C - l.G * l.K;
+  int64_t span = 1;
+  for (int i = 0; i < r; ++i) span *= l.R;
+  while (((int64_t)1 << l.tail_bits) < span) ++l.tail_bits;
+  l.groups_at = l.C * l.E;
+  l.tail_at = l.groups_at + 16 * l.G;
+  l.scale_at = l.tail_at + l.tail_bits;
+  l.units = (l.scale_at + 8 + 15) / 16;
+  l.scale_bits = 16 * l.units - l.scale_at < 15 ? 16 * l.units - l.scale_at : 15;
+  return l;
+}
+
+/// \brief Units per packed row (U).
+KVQ_HOST_DEVICE int hqmq_units(int64_t D, int64_t S, int radius_bits) {
+  return hqmq_row_layout(D, S, radius_bits).units;
+}
+
+/// \brief `width` (<= 25) bits of a packed row from bit `bit`.
+KVQ_HOST_DEVICE uint32_t row_bits(const uint16_t* row, int units, int bit, int width) {
+  const int j = bit >> 4, o = bit & 15;
+  uint64_t v = row[j];
+  if (j + 1 < units) v |= (uint64_t)row[j + 1] << 16;
+  if (o + width > 32 && j + 2 < units) v |= (uint64_t)row[j + 2] << 32;
+  return (uint32_t)(v >> o) & ((1u << width) - 1u);
+}
+
+/// \brief R^i.
+KVQ_HOST_DEVICE uint32_t radix_pow(int R, int i) {
+  uint32_t v = 1;
+  for (int k = 0; k < i; ++k) v *= (uint32_t)R;
+  return v;
+}
+
+/// \brief Chunk c's field (dir << RB | rcode) from a packed row.
+KVQ_HOST_DEVICE uint32_t read_field(const uint16_t* row, const RowLayout& l, int c) {
+  const uint32_t plain = row_bits(row, l.units, c * l.E, l.E);
+  const int j = c / l.K;
+  const uint32_t grp = j < l.G ? row_bits(row, l.units, l.groups_at + 16 * j, 16)
+                               : row_bits(row, l.units, l.tail_at, l.tail_bits);
+  const uint32_t digit = (grp / radix_pow(l.R, c - j * l.K)) % (uint32_t)l.R;
+  return (digit << l.E) | plain;
+}
+
+/// \brief The fp16 bits of a packed row's radius scale.
+KVQ_HOST_DEVICE uint16_t read_scale(const uint16_t* row, const RowLayout& l) {
+  return (uint16_t)(row_bits(row, l.units, l.scale_at, l.scale_bits) << (15 - l.scale_bits));
+}
+
+/// \brief The SB-bit scale code of a row whose largest coded radius is rmax (rounded up; finite
+/// values past the largest finite code clamp to it, NaN / Inf stay non-finite).
+KVQ_HOST_DEVICE uint32_t scale_code(float rmax, int SB) {
+  const int sh = 15 - SB;
+  const uint32_t s16 = float_to_half_bits_ru(rmax);
+  const uint32_t c = (s16 + (1u << sh) - 1u) >> sh, cmax = 0x7bffu >> sh;
+  return s16 <= 0x7bffu && c > cmax ? cmax : c;
+}
+
+/// \brief Unit j of a packed row from the row's C fields and its scale code.
+KVQ_HOST_DEVICE uint16_t assemble_unit(const uint32_t* fields, const RowLayout& l, uint32_t scode, int j) {
+  const int lo = 16 * j, hi = lo + 16;
+  uint64_t acc = 0;  // bits [lo - 32, hi) of the row, bit 0 = row bit lo - 32
+  auto put = [&](int at, int width, uint32_t v) {
+    if (width == 0 || at >= hi || at + width <= lo) return;
+    acc |= (uint64_t)v << (at - lo + 32);
+  };
+  const uint32_t pmask = (1u << l.E) - 1u;
+  int c0 = lo / l.E, c1 = (hi - 1) / l.E;
+  if (c1 > l.C - 1) c1 = l.C - 1;
+  for (int c = c0; c <= c1; ++c) put(c * l.E, l.E, fields[c] & pmask);
+  for (int g = 0; g <= l.G; ++g) {  // the G groups, then the tail
+    const int at = g < l.G ? l.groups_at + 16 * g : l.tail_at, width = g < l.G ? 16 : l.tail_bits;
+    if (width == 0 || at >= hi || at + width <= lo) continue;
+    const int n = g < l.G ? l.K : l.C - l.G * l.K;
+    uint32_t v = 0;
+    for (int i = n - 1; i >= 0; --i) v = v * (uint32_t)l.R + (fields[g * l.K + i] >> l.E);
+    put(at, width, v);
+  }
+  put(l.scale_at, l.scale_bits, scode);
+  return (uint16_t)(acc >> 32);
 }
 
 // Arithmetic whose rounding is identical on host and device: no contraction into FMA
@@ -207,28 +308,6 @@ KVQ_HOST_DEVICE int32_t value_status(float x) {
   return (x != x || fabsf(x) == INFINITY) ? kStatusNonFinite : kStatusOutOfRange;
 }
 
-/// \brief Read chunk c's field from a packed row.
-KVQ_HOST_DEVICE uint32_t read_field(const uint32_t* row, int c, int F) {
-  const int bit = c * F, w = bit >> 5, o = bit & 31;
-  uint64_t v = row[w] >> o;
-  if (o + F > 32) v |= (uint64_t)row[w + 1] << (32 - o);
-  return (uint32_t)v & ((1u << F) - 1u);
-}
-
-/// \brief Word j of a packed row from the row's C fields.
-KVQ_HOST_DEVICE uint32_t assemble_word(const uint32_t* fields, int C, int F, int j) {
-  const int lo = 32 * j;
-  int c0 = lo / F, c1 = (lo + 31) / F;
-  if (c1 > C - 1) c1 = C - 1;
-  uint32_t w = 0;
-  for (int c = c0; c <= c1; ++c) {
-    const int o = c * F - lo;
-    const uint64_t f = fields[c];
-    w |= (o >= 0) ? (uint32_t)(f << o) : (uint32_t)(f >> (-o));
-  }
-  return w;
-}
-
 /// \brief Pack the 4 fp16 values of an outlier record.
 KVQ_HOST_DEVICE void make_record(int64_t t, int64_t n, int c, float x0, float x1, float x2,
                                  float x3, int32_t* rec) {
@@ -242,12 +321,12 @@ KVQ_HOST_DEVICE void make_record(int64_t t, int64_t n, int c, float x0, float x1
 // CPU twin.  One unit of work = one token row (n, t) of the flattened [N * T] rows.
 // ---------------------------------------------------------------------------
 
-/// \brief Encode rows [row_begin, row_end): codes, scale, and (with a threshold) the
-/// outlier mask/count scratch.  Records are written afterwards by hqmq_write_records_cpu.
+/// \brief Encode rows [row_begin, row_end): packed rows and (with a threshold) the outlier
+/// mask/count scratch.  Records are written afterwards by hqmq_write_records_cpu.
 template <typename DType>
 void hqmq_encode_cpu(const HqmqParams& p, int64_t row_begin, int64_t row_end) {
   const DType* x = static_cast<const DType*>(p.x);
-  const int C = (int)(p.D / 4), F = p.field_bits, RB = p.radius_bits;
+  const int C = (int)(p.D / 4), RB = p.radius_bits;
   const float maxq = (float)((1 << RB) - 1);
   int32_t status = 0;
   float xc[kMaxChunks][4], r[kMaxChunks];
@@ -270,9 +349,9 @@ void hqmq_encode_cpu(const HqmqParams& p, int64_t row_begin, int64_t row_end) {
       if (outl[c]) mask |= (uint64_t)1 << c;
       else rmax = fmaxf(rmax, r[c]);
     }
-    const uint16_t s16 = float_to_half_bits_ru(rmax);
-    const float step = div_rn(half_bits_to_float(s16), maxq);
-    if (p.status && rmax > kMaxAbs) status |= kStatusOutOfRange;
+    const uint32_t scode = scale_code(rmax, p.row.scale_bits);
+    const float step = div_rn(half_bits_to_float((uint16_t)(scode << (15 - p.row.scale_bits))), maxq);
+    if (p.status && rmax > kMaxScale) status |= kStatusOutOfRange;
     for (int c = 0; c < C; ++c) {
       if (outl[c]) {
         fields[c] = 0u;
@@ -296,9 +375,8 @@ void hqmq_encode_cpu(const HqmqParams& p, int64_t row_begin, int64_t row_end) {
       const uint32_t dir = (uint32_t)(bs * kHurwitzUnits + hurwitz_nearest(v0, v1, v2, v3));
       fields[c] = (dir << RB) | radius_code(r[c], step, maxq);
     }
-    p.scale[row] = s16;
-    uint32_t* words = reinterpret_cast<uint32_t*>(p.codes) + row * p.words;
-    for (int j = 0; j < p.words; ++j) words[j] = assemble_word(fields, C, F, j);
+    uint16_t* units = reinterpret_cast<uint16_t*>(p.codes) + row * p.row.units;
+    for (int j = 0; j < p.row.units; ++j) units[j] = assemble_unit(fields, p.row, scode, j);
     if (p.threshold) {
       p.flag_mask[row] = (int64_t)mask;
       int cnt = 0;
@@ -356,11 +434,11 @@ void hqmq_decode_cpu(const HqmqParams& p, int64_t row_begin, int64_t row_end) {
   for (int64_t row = row_begin; row < row_end; ++row) {
     const int64_t h = (row / p.T) % p.H;
     const float* sec = p.secondary + h * p.S * 4;
-    const float step = div_rn(half_bits_to_float(p.scale[row]), maxq);
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(p.codes) + row * p.words;
+    const uint16_t* units = reinterpret_cast<const uint16_t*>(p.codes) + row * p.row.units;
+    const float step = div_rn(half_bits_to_float(read_scale(units, p.row)), maxq);
     for (int c = 0; c < C; ++c) {
       float o[4];
-      decode_chunk(read_field(words, c, p.field_bits), p.radius_bits, step, sec, p.S, o);
+      decode_chunk(read_field(units, p.row, c), p.radius_bits, step, sec, p.S, o);
       for (int i = 0; i < 4; ++i) out[row * p.D + 4 * c + i] = from_float<DType>(o[i]);
     }
   }
