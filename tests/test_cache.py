@@ -1,6 +1,8 @@
 """kvq.compress objects and the streaming kvq.KVCache (KIVI rule, docs/methods.md)."""
 import io
 
+import re
+
 import pytest
 import torch
 
@@ -257,7 +259,13 @@ def test_update_value_errors_name_the_argument(preset):
     if preset == "fp16":
         cache.update(k, big, 0)  # full precision holds any finite value
     else:
-        with pytest.raises(ValueError, match="'value' has entries.* above 65504"):
+        # the stream's bound: 65504 (fp16 scales), 61440 for HQMQ's coded chunks (kvq.hqmq.MAX_SCALE);
+        # Med3x stores outlier chunks exactly, so their entries may reach 65504
+        stream = kvq.get_config(preset).new_stream("value")
+        assert stream.max_abs == (61440.0 if preset.startswith("hqmq") else 65504.0)
+        text = stream.range_text()
+        assert text.endswith("above 65504") if preset != "hqmq-3.79" else text.endswith("above 61440")
+        with pytest.raises(ValueError, match=re.escape(f"'value' has {text}")):
             cache.update(k, big, 0)
         assert cache.get_seq_length(0) == 0
     cache.update(k, v, 0)
@@ -583,3 +591,23 @@ def test_crop_keeps_views_and_edge_cases():
     assert two.get_seq_length(1) == 100
     two.crop(90, layer_idx=1)
     assert (two.get_seq_length(0), two.get_seq_length(1)) == (150, 90)
+
+
+def test_hqmq_bounds_coded_chunks_and_med3_entries_separately():
+    """A coded chunk's norm must fit the packed radius scale (<= 61440); a Med3x outlier chunk is
+    stored exactly in fp16, so its entries may reach 65504."""
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 40, 64, dtype=torch.float16)
+    x[0, 0, 3, 4] = 63000.0  # an outlier chunk of hqmq-5 (far above 3x the median norm)
+    cache = kvq.KVCache("hqmq-5")
+    cache.update(x, x, 0)
+    K, V = cache.dequantize(0)
+    assert K[0, 0, 3, 4] == x[0, 0, 3, 4] and V[0, 0, 3, 4] == x[0, 0, 3, 4]
+    plain = kvq.KVCache("hqmq-3.79-paper")  # no Med3x: the chunk is coded, its norm is too large
+    with pytest.raises(ValueError, match="'key' has 4-element chunks with norm above 61440"):
+        plain.update(x, x, 0)
+    assert plain.get_seq_length(0) == 0
+    y = x.float()
+    y[0, 1, 5, 8] = 70000.0  # beyond fp16: not even an outlier record holds it
+    with pytest.raises(ValueError, match="entries above 65504"):
+        kvq.KVCache("hqmq-5").update(y, y, 0)

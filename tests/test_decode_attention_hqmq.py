@@ -7,6 +7,7 @@ import torch
 
 import kvquant_ext as kvq
 from conftest import CUDA, MMA_HEAD_DIMS, requires_cuda
+from reference import hqmq_reference as hq_ref
 from reference.attention_reference import reference_decode_attention
 
 PRESETS = ["hqmq-3.79-paper", "hqmq-5"]
@@ -74,6 +75,39 @@ def test_presets_lengths_head_dims(device, preset, T, D):
         assert nk == nv == 0
 
 
+def reference_role(ops, D, rb):
+    """One role's K or V [B, H, T, D] (float64) from its attention operands, decoded by the
+    plain-PyTorch reference from the documented packed layout, Med3x records applied."""
+    codes, sec, rec, _ = [t.cpu() for t in ops]
+    B, H, T, _ = codes.shape
+    S = sec.shape[1]
+    dirs, rc, scale = hq_ref.unpack_rows(codes, D, S, rb)
+    x = hq_ref.decode_reference(dirs, rc, scale, sec, rb).reshape(B * H, T, D // 4, 4)
+    for r in rec.tolist():
+        v = torch.tensor([r[2], r[3]], dtype=torch.int32).view(torch.float16).double()
+        n, c = (r[1] & 0xFFFFFFFF) >> 8, r[1] & 0xFF
+        assert (x[n, r[0], c] == 0).all()  # outlier chunks are coded with radius 0
+        x[n, r[0], c] = v
+    return x.reshape(B, H, T, D)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("D", MMA_HEAD_DIMS)
+def test_attention_reads_the_documented_layout(preset, D):
+    """The CPU op over the packed rows equals fp32 attention over K / V decoded by the reference
+    from the documented layout (independent of kvq's decode)."""
+    cache = build(preset, 2, 2, 77, D, torch.float16, "cpu", steps=3)
+    rb = kvq.get_config(preset).radius_bits
+    kops, vops = cache.layers[0].key.attention_operands(), cache.layers[0].value.attention_operands()
+    K, V = reference_role(kops, D, rb), reference_role(vops, D, rb)
+    torch.testing.assert_close(K.float(), cache.dequantize(0)[0].float(), rtol=1e-3, atol=1e-3)
+    q = torch.randn(2, 6, D, dtype=torch.float16)
+    out = kvq.ops.decode_attention_hqmq(q, *kops, *vops, None, rb, rb, D ** -0.5)
+    ref = reference_decode_attention(q.double(), K, V, D ** -0.5, None)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 2e-3, f"relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("ratio", [1, 4, 7, 20])
@@ -111,17 +145,18 @@ def test_outliers_are_used(device):
     out, ref = check(cache, q)
     kst, vst = cache.layers[0].key, cache.layers[0].value
     kops, vops = kst.attention_operands(), vst.attention_operands()
-    assert kops[3].shape[0] > 0 and vops[3].shape[0] > 0
-    no_rec = lambda ops: (*ops[:3], ops[3][:0], ops[4][:0])  # noqa: E731
+    assert len(kops) == 4 and kops[0].dtype == torch.int16  # (codes, secondary, outliers, outlier_ptr)
+    assert kops[2].shape[0] > 0 and vops[2].shape[0] > 0
+    no_rec = lambda ops: (*ops[:2], ops[2][:0], ops[3][:0])  # noqa: E731
     wrong = kvq.ops.decode_attention_hqmq(q, *no_rec(kops), *vops, None, 6, 6, 64 ** -0.5)
     err = ((wrong.float() - ref).norm() / ref.norm()).item()
     assert err > 2e-2, f"records made no difference ({err:.2e})"
     # the index is a CSR over (tile, row): monotone, covering every record
     for ops in (kops, vops):
-        ptr = ops[4].cpu()
+        ptr = ops[3].cpu()
         assert ptr.shape[0] == (kst.seq_len + 31) // 32 * 2 + 1
-        assert ptr[0] == 0 and ptr[-1] == ops[3].shape[0] and (ptr[1:] >= ptr[:-1]).all()
-        rec = ops[3].cpu()
+        assert ptr[0] == 0 and ptr[-1] == ops[2].shape[0] and (ptr[1:] >= ptr[:-1]).all()
+        rec = ops[2].cpu()
         key = (rec[:, 0].long() // 32) * 2 + (rec[:, 1].long() >> 8)
         pos = torch.arange(rec.shape[0])
         assert ((ptr[key] <= pos) & (pos < ptr[key + 1])).all()
@@ -178,26 +213,28 @@ def test_bad_input(device):
         op(q[:, :3], *kops, *vops, None, 6, 6, s)
     with pytest.raises(RuntimeError, match="'k_radius_bits'"):
         op(q, *kops, *vops, None, 9, 6, s)
-    with pytest.raises(RuntimeError, match="'v_codes'.*words per token"):
-        op(q, *kops, *vops, None, 6, 4, s)  # wrong radius bits: W does not match
+    with pytest.raises(RuntimeError, match="'v_codes'.*16-bit units per token"):
+        op(q, *kops, *vops, None, 6, 4, s)  # wrong radius bits: U does not match
+    with pytest.raises(RuntimeError, match="'k_codes'.*16-bit units per token"):
+        op(q, kops[0][..., :-1].contiguous(), *kops[1:], *vops, None, 6, 6, s)
     with pytest.raises(RuntimeError, match="'k_codes'"):
         op(q, kops[0].float(), *kops[1:], *vops, None, 6, 6, s)
-    with pytest.raises(RuntimeError, match="'k_scale'"):
-        op(q, kops[0], kops[1][:, :, :-1], *kops[2:], *vops, None, 6, 6, s)
+    with pytest.raises(RuntimeError, match="'k_codes'.*dtype"):
+        op(q, kops[0].int(), *kops[1:], *vops, None, 6, 6, s)  # the old int32 word layout
     with pytest.raises(RuntimeError, match="'v_secondary'"):
-        op(q, *kops, vops[0], vops[1], vops[2][:1], *vops[3:], None, 6, 6, s)
+        op(q, *kops, vops[0], vops[1][:1], *vops[2:], None, 6, 6, s)
     with pytest.raises(RuntimeError, match="'k_outlier_ptr'"):
-        op(q, *kops[:4], kops[4][:-1], *vops, None, 6, 6, s)
+        op(q, *kops[:3], kops[3][:-1], *vops, None, 6, 6, s)
     with pytest.raises(RuntimeError, match="'v_outliers'"):
-        op(q, *kops, *vops[:3], vops[3][:, :3].contiguous(), vops[4], None, 6, 6, s)
+        op(q, *kops, *vops[:2], vops[2][:, :3].contiguous(), vops[3], None, 6, 6, s)
     with pytest.raises(RuntimeError, match="'mask'"):
         op(q, *kops, *vops, torch.ones(1, 5, dtype=torch.bool, device=device), 6, 6, s)
     with pytest.raises(RuntimeError, match="'q'"):
         op(q.to(torch.int32), *kops, *vops, None, 6, 6, s)
     # corrupt index entries are clamped, never read out of bounds
-    bad = kops[4].clone()
+    bad = kops[3].clone()
     bad[1:] = 10 ** 9
-    out = op(q, *kops[:4], bad, *vops, None, 6, 6, s)
+    out = op(q, *kops[:3], bad, *vops, None, 6, 6, s)
     assert torch.isfinite(out.float()).all()
 
 
@@ -262,7 +299,7 @@ def test_cuda_generic_paths_match_cpu(preset):
     out = kvq.ops.decode_attention_hqmq(q, *kops, *vops, None, rb, rb, D ** -0.5)
     ref = _cpu_op(q, kops, vops, rb)
     assert ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item() < 4e-3
-    # misaligned head stride: codes in a [B, H, T + 1, W] buffer
+    # misaligned head stride: codes in a [B, H, T + 1, U] buffer
     for ops in (kops, vops):
         c = ops[0]
         buf = torch.zeros(B, H, c.shape[2] + 1, c.shape[3], dtype=c.dtype, device="cuda")
@@ -293,7 +330,7 @@ def test_cuda_hqmq_v2_matches_cpu(preset, D, g):
     kops = list(cache.layers[0].key.attention_operands())
     vops = list(cache.layers[0].value.attention_operands())
     if preset == "f16-med3":
-        assert kops[3].shape[0] > 0 and vops[3].shape[0] > 0
+        assert kops[2].shape[0] > 0 and vops[2].shape[0] > 0
     q = torch.randn(B, H * g, D, dtype=torch.float16, device="cuda")
     q[..., 8:12] *= 4.0  # weight the chunk that carries most records
     mask = torch.ones(B, T, dtype=torch.bool, device="cuda")

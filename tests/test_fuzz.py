@@ -25,8 +25,8 @@ code, grouping or decode shows:
   secondary lie within 45 degrees of every direction; ``step = scale / (2^b_r - 1)``), radius
   scales, secondary sets, Med3x threshold and exact outlier chunks as documented; key tokens
   past the last whole group exact.  ``nbytes`` is the sum of the stored tensors and equals the
-  layout's count.  A block the format cannot store (GEAR factors beyond fp16, HQMQ chunk norms
-  beyond 65504) may be refused, naming 'x'.
+  layout's count.  A block the format cannot store (GEAR factors beyond fp16, HQMQ coded chunk
+  norms beyond 61440, kvq.hqmq.MAX_SCALE) may be refused, naming 'x'.
 * Non-finite entries: ``check_finite=True`` raises naming the argument; with ``False`` every
   entry outside the bad entries' own groups (HQMQ: chunk for NaN, token vector for Inf) is what
   the clean input gives (group quantization: bit for bit; HQMQ without Med3x: other tokens bit
@@ -74,6 +74,7 @@ from conftest import BITS, DTYPES, HEAD_DIMS
 from kvquant_ext.gear import GEARCompressed, GEARStream
 from kvquant_ext.hqmq import HQMQStream
 from kvquant_ext.streams import FullPrecisionStream, Growable, _QuantStream
+from reference import hqmq_reference as hq_ref
 from reference.quant_reference import expand_scale, kivi_stream_ref, quantize_ref, unpack_ref
 
 # ----------------------------------------------------------------------------- settings
@@ -319,18 +320,24 @@ def top_magnitude(cfg, dtype, *, streaming: bool) -> float:
 
 
 def hqmq_unstorable(x: torch.Tensor, cfg, thr=None) -> bool:
-    """Does ``x`` hold a 4-element chunk whose norm exceeds the fp16 radius scale (65504) and
-    that is not a Med3x outlier (norm above the threshold ``thr``, default x's own), i.e. one
-    HQMQ cannot store?"""
+    """Does ``x`` hold a 4-element chunk whose norm exceeds 61440 (kvq.hqmq.MAX_SCALE, the bound
+    on coded chunk norms) and that is not a Med3x outlier (norm above the threshold ``thr``,
+    default x's own), i.e. one HQMQ cannot store?  Norms as the encoder computes them (fp32)."""
     if x.numel() == 0:
         return False
-    B, H, T, D = x.shape
-    norms = x.double().reshape(B, H, T, D // 4, 4).norm(dim=-1)
-    big = norms > 65504 * (1 - 1e-3)
+    norms = hq_ref.chunk_norms_fp32(x)
+    big = norms > kvq.hqmq.MAX_SCALE
     if cfg.outlier_factor is not None:
         thr = kvq.med3_threshold(x, cfg.outlier_factor) if thr is None else thr
-        big &= norms <= thr.double()[None, :, None, None] * (1 + 1e-5)
+        big &= ~(norms > thr.float()[None, :, None, None])
     return bool(big.any())
+
+
+def hqmq_scale(c) -> torch.Tensor:
+    """The per-token radius scales (fp16) a kvq.compress result holds in its packed rows, read
+    with the reference unpack (which also checks that the rows are canonical)."""
+    D, S = c.shape[-1], c.secondary.shape[1]
+    return hq_ref.unpack_rows(c.codes, D, S, c.radius_bits)[2]
 
 
 def compress_or_refuse(x, cfg, role, **kw):
@@ -343,7 +350,7 @@ def compress_or_refuse(x, cfg, role, **kw):
         msg = str(e)
         if isinstance(cfg, kvq.GEARConfig) and "'x'" in msg and "too large" in msg:
             return None
-        if isinstance(cfg, kvq.HQMQConfig) and "'x'" in msg and "65504" in msg and hqmq_unstorable(x, cfg):
+        if isinstance(cfg, kvq.HQMQConfig) and "'x'" in msg and "61440" in msg and hqmq_unstorable(x, cfg):
             return None
         raise
 
@@ -393,9 +400,9 @@ def expected_compressed_nbytes(c, cfg, role: str, shape, dtype) -> int:
     if isinstance(cfg, kvq.FP16Config):
         return B * H * T * D * item
     if isinstance(cfg, kvq.HQMQConfig):
-        W = kvq.ops.hqmq_words(D, cfg.secondary_size, cfg.radius_bits)
+        U = hq_ref.units(D, cfg.secondary_size, cfg.radius_bits)  # packed rows, scale included
         med3 = cfg.outlier_factor is not None
-        return (B * H * T * (4 * W + 2) + 16 * c.num_outliers + 16 * H * cfg.secondary_size
+        return (B * H * T * 2 * U + 16 * c.num_outliers + 16 * H * cfg.secondary_size
                 + 4 * H * med3)
     spec = cfg.spec(role)
     tq = T - T % spec.group_size if spec.per_channel and spec.group_size != -1 else T
@@ -437,10 +444,10 @@ def expected_stream_nbytes(stream, cfg, role: str) -> int:
         return B * H * (n + stream.buffer_len * D * item)
     if isinstance(stream, HQMQStream):
         T = stream.seq_len
-        W = kvq.ops.hqmq_words(D, cfg.secondary_size, cfg.radius_bits)
+        U = hq_ref.units(D, cfg.secondary_size, cfg.radius_bits)
         nres = getattr(stream, "residual_len", 0)  # recent window, full precision
         T -= nres
-        n = B * H * (T * (4 * W + 2) + nres * D * item) + 16 * stream._records().shape[0]
+        n = B * H * (T * 2 * U + nres * D * item) + 16 * stream._records().shape[0]
         n += 16 * H * cfg.secondary_size  # the secondary sets (made on the first append)
         if cfg.outlier_factor is not None and stream.threshold is not None:
             n += 4 * H  # threshold
@@ -546,7 +553,7 @@ def check_compressed(cfg, role, c, x, out, where=None) -> None:
     if isinstance(cfg, kvq.HQMQConfig):
         w = torch.ones(x.shape, dtype=torch.bool) if where is None else where
         cw = w.reshape(*x.shape[:-1], x.shape[-1] // 4, 4).all(-1)
-        hqmq_chunk_check(x, out, c.scale, cfg.radius_bits, cw)
+        hqmq_chunk_check(x, out, hqmq_scale(c), cfg.radius_bits, cw)
         return
     spec = cfg.spec(role)
     T = x.shape[2]
@@ -564,33 +571,36 @@ def check_stored_parameters(cfg, role, c, x) -> None:
     """The stored side parameters are the method's (so that the bounds above, which read them,
     are the method's bounds and not just any): group quantization scale/zero bit-identical to the
     reference; GEAR scales at most the raw group's min/max step; HQMQ secondary sets from the
-    seed, radius scale = the largest non-outlier chunk norm rounded up to fp16, Med3x threshold
-    and the outlier chunks (count and exact fp16 values)."""
+    seed, radius scale = the largest non-outlier chunk norm rounded up to the row's SB-bit scale
+    grid (bit for bit, with the encoder's fp32 norms), Med3x threshold and the outlier chunks
+    (which, count and exact fp16 values)."""
     B, H, T, D = x.shape
     if isinstance(cfg, kvq.FP16Config) or T == 0:
         return
     if isinstance(cfg, kvq.HQMQConfig):
         sec = kvq.hqmq_secondary(H, cfg.secondary_size, cfg.seed, layer_idx=0, role=role)
         assert bits_equal(c.secondary, sec), "secondary sets are not hqmq_secondary(seed, layer, role)"
-        norms = x.double().reshape(B, H, T, D // 4, 4).norm(dim=-1)
+        norms = hq_ref.chunk_norms_fp32(x)  # the encoder's norms, bit for bit
         inl = torch.ones_like(norms, dtype=torch.bool)
         if cfg.outlier_factor is not None:
             thr = kvq.med3_threshold(x, cfg.outlier_factor)
             assert bits_equal(c.threshold, thr), "Med3x threshold is not factor x the median chunk norm"
-            t = thr.double()[None, :, None, None]
-            surely, maybe = norms > t * (1 + 1e-5), norms > t * (1 - 1e-5)
-            assert int(surely.sum()) <= c.num_outliers <= int(maybe.sum()), "outlier count"
+            outl = norms > thr.float()[None, :, None, None]
+            assert int(outl.sum()) == c.num_outliers, "outlier count"
+            rec = c.outliers.long()
+            flag = torch.zeros(B * H, T, D // 4, dtype=torch.bool)
+            flag[rec[:, 1] >> 8, rec[:, 0], rec[:, 1] & 0xFF] = True
+            assert torch.equal(flag.reshape(outl.shape), outl), "the outlier chunks are not those above the threshold"
             out = c.decompress()
             exact = x.half().to(x.dtype)
-            sm = surely[..., None].expand(B, H, T, D // 4, 4).reshape(x.shape)
+            sm = outl[..., None].expand(B, H, T, D // 4, 4).reshape(x.shape)
             assert same_values(out, exact, sm), "an outlier chunk is not stored exactly (fp16)"
-            inl = ~maybe
-        rmax = torch.where(inl, norms, torch.zeros((), dtype=torch.float64)).amax(-1)
-        sc = c.scale.double()
-        ok = (sc >= rmax * (1 - 1e-6)) & (sc <= rmax * (1 + 2.0 ** -10) + 2.0 ** -24)
-        if cfg.outlier_factor is not None:  # chunks in the tolerance band may go either way
-            ok |= sc <= torch.where(~(surely), norms, torch.zeros((), dtype=torch.float64)).amax(-1) * (1 + 2.0 ** -10) + 2.0 ** -24
-        assert bool(ok.all()), "HQMQ radius scale is not the token's largest chunk norm"
+            inl = ~outl
+        rmax = torch.where(inl, norms, torch.zeros(())).amax(-1)
+        want = hq_ref.round_scale(rmax, hq_ref.scale_bits(D, cfg.secondary_size, cfg.radius_bits))
+        sc = hqmq_scale(c)
+        assert bits_equal(sc, want), "HQMQ radius scale is not the token's largest chunk norm rounded up"
+        assert bool((sc.double() >= rmax.double()).all())
         return
     spec = cfg.spec(role)
     tq = T - T % spec.group_size if spec.per_channel and spec.group_size != -1 else T
@@ -928,9 +938,9 @@ def stream_reference(cfg, role: str, chunks, *, layer_idx: int = 0, check_finite
             if first is not None:
                 thr = kvq.med3_threshold(first, cfg.outlier_factor)
         n = T - min(W, T)  # the W newest tokens wait in full precision
-        codes, scale, rec = kvq.hqmq_encode(full[:, :, :n], sec, cfg.radius_bits, thr,
-                                            check_finite=check_finite)
-        out = kvq.hqmq_decode(codes, scale, sec, rec, cfg.radius_bits, D, dtype)
+        codes, rec = kvq.hqmq_encode(full[:, :, :n], sec, cfg.radius_bits, thr,
+                                     check_finite=check_finite)
+        out = kvq.hqmq_decode(codes, sec, rec, cfg.radius_bits, D, dtype)
         return torch.cat([out, full[:, :, n:]], dim=2)
     raise AssertionError(type(cfg))  # pragma: no cover
 
@@ -1035,7 +1045,7 @@ def test_kvcache_streaming(preset, data):
                     assert same_state(before, snapshot(cache)), "a refused update changed the cache"
                 continue
         if isinstance(cfg, kvq.HQMQConfig) and cfg.outlier_factor is not None and check_finite and n:
-            # a chunk beyond 65504 below the Med3x threshold: the cache takes it and stores NaN
+            # a chunk beyond 61440 below the Med3x threshold: the cache refuses it
             # (pinned by test_hqmq_med3x_cache_refuses_what_its_radius_scale_cannot_hold)
             def thr_of(role, t):
                 st_ = getattr(cache.layers[0], role) if cache.layers else None
@@ -1046,9 +1056,9 @@ def test_kvcache_streaming(preset, data):
             if any(hqmq_unstorable(t, cfg, thr_of(r, t)) for r, t in (("key", k), ("value", v))):
                 continue
         if isinstance(cfg, kvq.HQMQConfig) and cfg.outlier_factor is None and check_finite:
-            # chunk norms above the fp16 radius scale are refused naming the argument
+            # chunk norms above 61440 (kvq.hqmq.MAX_SCALE) are refused naming the argument
             big = [name for name, t in (("key", k), ("value", v)) if n and float(
-                t.float().reshape(B, H, n, D // 4, 4).norm(dim=-1).amax()) > 65504]
+                hq_ref.chunk_norms_fp32(t).amax()) > kvq.hqmq.MAX_SCALE]
             if big:
                 with raises_naming(big[0], types=ValueError):
                     cache.update(k, v, 0)
@@ -1074,7 +1084,7 @@ def test_kvcache_streaming(preset, data):
     K2, V2 = other.dequantize(0)
     assert bits_equal(K2, K) and bits_equal(V2, V)
     n = data.draw(st.sampled_from([1, 64, 100]))
-    small = dataclasses.replace(vals, log_mag=min(vals.log_mag, 4.0))  # chunk norms < 65504
+    small = dataclasses.replace(vals, log_mag=min(vals.log_mag, 4.0))  # chunk norms < 61440
     k = make_tensor((B, H, n, D), dtype, small, salt=999)
     v = make_tensor((B, H, n, D), dtype, small, salt=998)
     for c in (cache, other):
@@ -1146,8 +1156,8 @@ def test_decode_attention_equals_attention_over_dequantized(preset, data):
         v = make_tensor((B, H, n, D), dtype, vals, salt=2 * i + 1)
         try:
             cache.update(k, v, layer_idx)
-        except ValueError as e:  # HQMQ without Med3x: chunk norms above 65504
-            assert isinstance(cfg, kvq.HQMQConfig) and "65504" in str(e) and (
+        except ValueError as e:  # HQMQ: coded chunk norms above 61440
+            assert isinstance(cfg, kvq.HQMQConfig) and "61440" in str(e) and (
                 "'key'" in str(e) or "'value'" in str(e))
             return
         T += n
@@ -1247,9 +1257,8 @@ def paged_expected(cache, k, v):
         out = []
         for x, role in ((k, "key"), (v, "value")):
             sec = kvq.hqmq_secondary(H, cfg.secondary_size, cfg.seed, layer_idx=0, role=role)
-            codes, scale, _ = kvq.hqmq_encode(x[:, :, :ncomp * P], sec, cfg.radius_bits, check_finite=False)
-            deq = kvq.hqmq_decode(codes, scale, sec, torch.empty((0, 4), dtype=torch.int32), cfg.radius_bits, D,
-                                  x.dtype)
+            codes, _ = kvq.hqmq_encode(x[:, :, :ncomp * P], sec, cfg.radius_bits, check_finite=False)
+            deq = kvq.hqmq_decode(codes, sec, torch.empty((0, 4), dtype=torch.int32), cfg.radius_bits, D, x.dtype)
             out.append(torch.cat([deq, x[:, :, ncomp * P:]], dim=2))
         return out[0], out[1]
     out = []
@@ -1267,9 +1276,9 @@ def paged_nbytes(cache, lens) -> int:
     item = torch.empty((), dtype=cache.dtype).element_size()
     if not cache.compressed:
         return sum(lens) * 2 * H * D * item
-    if cache.hqmq is not None:  # codes + fp16 radius scale per token vector; the layer's two sets
+    if cache.hqmq is not None:  # one packed row (codes + radius scale) per token vector; the two sets
         cfg = cache.hqmq
-        page = 2 * H * P * (4 * kvq.ops.hqmq_words(D, cfg.secondary_size, cfg.radius_bits) + 2)
+        page = 2 * H * P * 2 * hq_ref.units(D, cfg.secondary_size, cfg.radius_bits)
     else:
         page = sum(H * P * D * s.bits // 8 + 2 * 2 * H * group_rows(s, P, D) for s in (cache.kspec, cache.vspec))
     n, pages = 0, 0
@@ -1303,7 +1312,7 @@ def test_paged_cache(preset, data):
     nseq = data.draw(st.integers(1, 3))
     lens = [data.draw(st.one_of(st.sampled_from([0, 1, P - 1, P, P + 1]), st.integers(0, 300)))
             for _ in range(nseq)]
-    # HQMQ's fp16 radius scale holds chunk norms <= 65504, i.e. up to 2 x max |x|
+    # HQMQ's pages take chunk norms <= 61440 (kvq.hqmq.MAX_SCALE), i.e. up to 2 x max |x|
     vals = data.draw(values_st(math.log10(3e4)) if preset in PAGED_HQMQ else values_st())
     cache = kvq.PagedKVCache(preset, num_layers=1, num_kv_heads=H, head_dim=D,
                              max_tokens=sum(lens) + 2 * P * (nseq + 1), dtype=dtype, page_size=P,
@@ -1426,7 +1435,7 @@ def test_paged_cache_rejects_bad_arguments(data):
 # Deterministic reproducers of what the fuzzing found; the fuzz tests above leave out the inputs
 # they cover: head dims a config's groups do not divide (valid_head_dims), GEAR magnitudes near
 # the fp16 limit (top_magnitude), the NaN check of compress(x, "fp16"), HQMQ-Med3x chunks beyond
-# 65504 below the threshold in a cache, and magnitudes beyond 65504 in the paged cache.
+# 61440 below the threshold in a cache, and magnitudes beyond 65504 in the paged cache.
 @pytest.mark.parametrize("preset,D", [("kivi-2-g64", 32), ("gear-2", 32), ("gearl-2", 32),
                                       ("outlier-2", 32), ("kivi-2", 48), ("gear-2", 48),
                                       ("flexgen-4", 32), ("int4-per-token", 48), ("gear-4", 48)])
@@ -1548,14 +1557,16 @@ def test_paged_cache_refuses_what_fp16_scales_cannot_hold(preset, value):
         f"accepted tokens dequantize to {int((~torch.isfinite(K)).sum())} NaN/Inf keys")
 
 
-def test_hqmq_med3x_cache_refuses_what_its_radius_scale_cannot_hold():
-    """A token whose entries are all within fp16 but one of whose chunks has a norm beyond 65504
+@pytest.mark.parametrize("big", [60000.0, 55000.0])  # chunk 0 norm 66.4k (> 65504) or 61.9k (> 61440)
+def test_hqmq_med3x_cache_refuses_what_its_radius_scale_cannot_hold(big):
+    """A token whose entries are all within fp16 but one of whose chunks has a norm beyond 61440
     without being a Med3x outlier (3x the median chunk norm) cannot be stored by hqmq-5:
     kvq.compress refuses it naming 'x', and the cache must refuse it too (naming the argument),
     not store an Inf radius scale that decodes the whole token to NaN."""
     x = torch.full((1, 1, 1, 32), -16384.0)
-    x[0, 0, 0, 0] = 60000.0  # chunk 0: norm 66.5k; the others 32768, so the threshold is 98304
+    x[0, 0, 0, 0] = big  # the other chunks' norms are 32768, so the threshold is 98304
     x = x.half()
+    assert 61440 < float(hq_ref.chunk_norms_fp32(x)[0, 0, 0, 0]) < 98304
     assert hqmq_unstorable(x, kvq.get_config("hqmq-5"))
     with raises_naming("x"):
         kvq.compress(x, "hqmq-5", "key")

@@ -13,6 +13,7 @@ import torch
 
 import kvquant_ext as kvq
 from conftest import CUDA, MMA_HEAD_DIMS, requires_cuda
+from reference import hqmq_reference as hq_ref
 from reference.quant_reference import dequantize_ref, quantize_ref, unpack_ref
 
 DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
@@ -174,9 +175,16 @@ def test_continuous_batching_page_reuse_no_leak(device, preset):
     for layer in cache.layers:  # poison every free page
         for t in (layer.k_fp, layer.v_fp):
             t[layer.free_fp] = float("nan")
-        for codes, *scales in layer.comp.values():  # (scale, zero) or HQMQ's radius scale
+        for codes, *scales in layer.comp.values():  # (codes, scale, zero) or HQMQ's (packed rows,)
             for t in scales:
                 t[layer.free_comp] = float("nan")
+            if not scales:  # HQMQ: all-ones rows, i.e. garbage fields and a NaN radius scale
+                codes[layer.free_comp] = -1
+                if len(layer.free_comp):
+                    cfg = kvq.get_config(preset)
+                    sc = hq_ref.unpack_rows(codes[layer.free_comp[:1]].cpu(), D, cfg.secondary_size, cfg.radius_bits,
+                                            strict=False)[2]
+                    assert sc.isnan().all()
     c = cache.add_sequence()
     for layer in range(2):
         cache.append(layer, [c], make_kv(1, H, 700, D, torch.float16, device),
@@ -280,7 +288,7 @@ def op_args(preset):
 def test_ops_opcheck(preset):
     cache, op, args = op_args(preset)
     torch.library.opcheck(op, args)
-    lens, comp = args[10], args[11]  # after q, the pools and the block table, for either op
+    lens, comp = (args[8], args[9]) if preset.startswith("hqmq") else (args[10], args[11])  # after the block table
     torch.library.opcheck(torch.ops.kvq.paged_decode_plan.default, (lens, comp, 40))
     layer = cache.layers[0]
     k = torch.randn(3, 2, 64, dtype=torch.float16)
@@ -596,15 +604,31 @@ def test_hqmq_pages_hold_the_contiguous_encoding(preset, D, L):
     rK, rV = ref.dequantize(0)
     assert torch.equal(K[:, :, :tc], rK[:, :, :tc]) and torch.equal(V[:, :, :tc], rV[:, :, :tc])
     assert torch.equal(K[:, :, tc:], k[:, :, tc:]) and torch.equal(V[:, :, tc:], v[:, :, tc:])
-    W = kvq.ops.hqmq_words(D, 96, 4)
+    U = kvq.ops.hqmq_units(D, 96, 4)
+    assert U == {64: 16, 128: 31}.get(D, U)
+    layer = cache.layers[0]
+    pages = layer.seqs[ids[0]].comp_pages
+    assert len(pages) == tc // 128
+    for role, x in (("k", k), ("v", v)):
+        pool, = layer.comp[role]  # HQMQ pools: (packed rows,)
+        assert pool.dtype == torch.int16 and pool.shape[1:] == (2, 128, U)
+        if tc:
+            # the pages hold, bit for bit, the contiguous encoding of the same tokens
+            codes, _ = kvq.hqmq_encode(x[:, :, :tc], layer.secondary[role], 4)
+            stored = pool[pages].transpose(0, 1).reshape(1, 2, tc, U)
+            assert torch.equal(stored, codes)
+            hq_ref.unpack_rows(stored, D, 96, 4, strict=True)
+            rs = getattr(ref.layers[0], "key" if role == "k" else "value")
+            assert torch.equal(stored, rs.codes.view()[:, :, :tc])
     sec = 2 * 2 * 96 * 4 * 4 if tc else 0  # both roles' [H, S, 4] fp32 sets
-    assert cache.nbytes == (tc // 128) * 2 * 2 * 128 * (4 * W + 2) + (L - tc) * 2 * 2 * D * 2 + sec
+    assert cache.nbytes == (tc // 128) * 2 * 2 * 128 * 2 * U + (L - tc) * 2 * 2 * D * 2 + sec
 
 
-HQMQ_FORMATS = {  # the kernel's launch formats: F = 16 / b_r = 4 (fast path), runtime field widths
+HQMQ_FORMATS = {  # the kernel's launch formats: F = 16 / b_r = 4, R = 9 (fast path), runtime layouts
     "hqmq-3.79-paper": "hqmq-3.79-paper",
-    "F16-rb5": kvq.HQMQConfig(secondary_size=48, radius_bits=5),  # 11-bit directions + 5 radius bits
-    "F19-rb6": kvq.HQMQConfig(secondary_size=192, radius_bits=6),  # fields straddle words
+    "F16-rb5": kvq.HQMQConfig(secondary_size=48, radius_bits=5),  # 11-bit directions + 5 radius bits (FMT 0)
+    "F19-rb6": kvq.HQMQConfig(secondary_size=192, radius_bits=6),  # E = 15, R = 9 (FMT 2)
+    "R12-rb3": kvq.HQMQConfig(secondary_size=64, radius_bits=3),  # R = 12: 4 digits per group (FMT 0)
 }
 
 
@@ -649,22 +673,32 @@ def test_cuda_hqmq_pages_equal_the_contiguous_kernel(D):
         assert err < 2e-3, f"seq {i}: paged vs contiguous relative error {err:.2e}"
 
 
-def test_hqmq_pages_refuse_chunk_norms_their_scales_cannot_hold():
-    """Every entry finite and below 65504, but a chunk norm above it: HQMQ's fp16 radius scale
-    would overflow, so the append is refused (as the contiguous cache refuses it) and changes
-    nothing."""
+@pytest.mark.parametrize("big", [40000.0, 30752.0])  # chunk norms 80000 and 61504
+def test_hqmq_pages_refuse_chunk_norms_their_scales_cannot_hold(big):
+    """Every entry finite and below 65504, but a chunk norm above 61440 (kvq.hqmq.MAX_SCALE, what
+    the packed radius scale is guaranteed to hold): the append is refused (as the contiguous cache
+    refuses it) and changes nothing; a chunk norm of exactly 61440 is taken."""
     cache = kvq.PagedKVCache("hqmq-3.79-paper", num_layers=1, num_kv_heads=2, head_dim=64, max_tokens=512)
     sid = cache.add_sequence()
     k = make_kv(1, 2, 200, 64, torch.float16, "cpu")
     bad = k.clone()
-    bad[0, 1, 150, 4:8] = 40000.0  # norm 80000
-    with pytest.raises(ValueError, match="argument 'v'.*chunks with norm above 65504"):
+    bad[0, 1, 150, 4:8] = big
+    before = [t.clone() for t in cache.layers[0].comp_tensors()]
+    with pytest.raises(ValueError, match="argument 'v'.*chunks with norm above 61440"):
         cache.append(0, [sid], k, bad)
+    with pytest.raises(ValueError, match="argument 'k'.*chunks with norm above 61440"):
+        cache.append(0, [sid], bad, k)
     assert cache.seq_len(sid) == 0
-    with pytest.raises(ValueError, match="argument 'value'.*chunks with norm above 65504"):
+    assert all(torch.equal(a, b) for a, b in zip(cache.layers[0].comp_tensors(), before))
+    with pytest.raises(ValueError, match="argument 'value'.*chunks with norm above 61440"):
         kvq.KVCache("hqmq-3.79-paper").update(k, bad, 0)
-    cache.append(0, [sid], k, k)
+    ok = k.clone()
+    ok[0, 1, 100, 4:8] = 30720.0  # norm exactly 61440
+    cache.append(0, [sid], ok, k)
     assert cache.seq_len(sid) == 200
+    K, _ = cache.dequantize(0, sid)
+    assert torch.isfinite(K).all()
+    assert float(K[0, 1, 100, 4:8].float().norm()) == pytest.approx(61440.0, rel=2e-3)
 
 
 def test_hqmq_med3x_pages_are_refused():
@@ -681,20 +715,25 @@ def test_hqmq_paged_attention_dtypes(device, dtype):
 
 def test_hqmq_op_bad_input():
     _, op, args = op_args("hqmq-3.79-paper")
-    q, k_fp, v_fp, kc, ks, ksec, vc, vs, vsec, bt, lens, comp, work = args[:13]
-    with pytest.raises(RuntimeError, match="k_codes"):  # words of another secondary size
-        op(q, k_fp, v_fp, kc[..., :-1].contiguous(), ks, ksec, vc, vs, vsec, bt, lens, comp, work, 4, 0.1)
+    q, k_fp, v_fp, kc, ksec, vc, vsec, bt, lens, comp, work = args[:11]
+    assert kc.dtype == torch.int16 and kc.shape[-1] == kvq.ops.hqmq_units(64, 96, 4)
+    with pytest.raises(RuntimeError, match="'k_codes'.*16-bit units"):  # units of another format
+        op(q, k_fp, v_fp, kc[..., :-1].contiguous(), ksec, vc, vsec, bt, lens, comp, work, 4, 0.1)
+    with pytest.raises(RuntimeError, match="'k_codes'.*17 16-bit units"):  # radius bits 5: U = 17
+        op(q, k_fp, v_fp, kc, ksec, vc, vsec, bt, lens, comp, work, 5, 0.1)
+    with pytest.raises(RuntimeError, match="'k_codes'.*dtype"):  # the old int32 words
+        op(q, k_fp, v_fp, kc.int(), ksec, vc, vsec, bt, lens, comp, work, 4, 0.1)
     with pytest.raises(RuntimeError, match="radius_bits"):
-        op(q, k_fp, v_fp, kc, ks, ksec, vc, vs, vsec, bt, lens, comp, work, 9, 0.1)
-    with pytest.raises(RuntimeError, match="v_scale"):
-        op(q, k_fp, v_fp, kc, ks, ksec, vc, vs[:, :1].contiguous(), vsec, bt, lens, comp, work, 4, 0.1)
+        op(q, k_fp, v_fp, kc, ksec, vc, vsec, bt, lens, comp, work, 9, 0.1)
+    with pytest.raises(RuntimeError, match="v_secondary"):
+        op(q, k_fp, v_fp, kc, ksec, vc, vsec[:1].contiguous(), bt, lens, comp, work, 4, 0.1)
     with pytest.raises(RuntimeError, match="v_codes"):  # not contiguous
-        op(q, k_fp, v_fp, kc, ks, ksec, vc.transpose(0, 1).contiguous().transpose(0, 1), vs, vsec, bt, lens, comp,
+        op(q, k_fp, v_fp, kc, ksec, vc.transpose(0, 1).contiguous().transpose(0, 1), vsec, bt, lens, comp,
            work, 4, 0.1)
     bad = bt.clone()
     bad[0, 0] = kc.shape[0]  # not a compressed page
     with pytest.raises(RuntimeError, match="block_table"):
-        op(q, k_fp, v_fp, kc, ks, ksec, vc, vs, vsec, bad, lens, comp, work, 4, 0.1)
+        op(q, k_fp, v_fp, kc, ksec, vc, vsec, bad, lens, comp, work, 4, 0.1)
 
 
 # ----------------------------------------------------------------------------- skip_layers

@@ -48,6 +48,7 @@ from kvquant_ext.gear import GEARStream
 from kvquant_ext.hqmq import HQMQStream
 from kvquant_ext.streams import FullPrecisionStream, _QuantStream
 from conftest import requires_cuda
+from reference import hqmq_reference as hq_ref
 from reference.quant_reference import expand_scale, quantize_ref
 from test_fuzz import (check_gear_block, check_growables, compressed_bytes,
                        expected_stream_nbytes, gear_block_bytes, growables, hqmq_chunk_check,
@@ -94,14 +95,14 @@ def figure_bits(cfg, role: str, D: int) -> float:
     """Bits per element of the method's steady-state compressed storage at head dim D, from its
     parameters (docs/ops.md): group quantization b + 32/G (fp16 scale + zero per group of G
     entries); GEAR one decode block of n_b tokens (backbone, outliers with values / indices /
-    corrections / tile offsets, rank_decode factors); HQMQ 32 W / D + 16 / D (codes and scale
-    per token vector) plus, with Med3x, the outlier index's 64 bits per 32 tokens (records are
+    corrections / tile offsets, rank_decode factors); HQMQ 16 U / D (one packed row of U 16-bit
+    units per token vector: codes and radius scale) plus, with Med3x, the outlier index's 64 bits per 32 tokens (records are
     data-dependent: 128 bits each, added by the caller)."""
     if isinstance(cfg, kvq.FP16Config):
         return 16.0
     if isinstance(cfg, kvq.HQMQConfig):
-        W = kvq.ops.hqmq_words(D, cfg.secondary_size, cfg.radius_bits)
-        return (32 * W + 16) / D + (64 / (32 * D) if cfg.outlier_factor is not None else 0.0)
+        U = hq_ref.units(D, cfg.secondary_size, cfg.radius_bits)
+        return 16 * U / D + (64 / (32 * D) if cfg.outlier_factor is not None else 0.0)
     if isinstance(cfg, kvq.GEARConfig):
         nb = cfg.buffer_length
         return 8 * gear_block_bytes(cfg, role, nb, D, 2, cfg.rank_decode, stream=True) / (nb * D)
@@ -123,8 +124,13 @@ def test_figures_are_the_documented_ones():
     assert f("gear-2", "key") == 2 + 0.5 + 1.5 + 0.046875 + 0.75
     assert f("gear-2", "value") == 2 + 0.5 + 1.25 + 0.75
     assert f("gearl-2", "key") == 2 + 0.5 + 0.046875 + 0.75  # no outliers; the offsets stay
-    assert f("hqmq-3.79", "key", 32) == (32 * 4 + 16) / 32  # F = 12 + 4 bits x 8 chunks: 4 words
-    assert f("hqmq-5", "key", 32) == (32 * 5 + 16) / 32 + 64 / 1024  # F = 13 + 6: 152 bits -> 5 words
+    # hqmq-3.79 at D = 32: 8 plain fields of E = 8 + 4 bits, one 16-bit group of 5 base-9 digits,
+    # 3 tail digits in 10 bits, >= 8 scale bits: 130 -> 9 units (an exact 15-bit fp16 scale)
+    assert f("hqmq-3.79", "key", 32) == 16 * 9 / 32
+    # hqmq-5: E = 9 + 6: 120 + 16 + 10 + 8 = 154 -> 10 units (a 14-bit scale)
+    assert f("hqmq-5", "key", 32) == 16 * 10 / 32 + 64 / 1024
+    # and at D = 128 the documented 3.875 / 4.625
+    assert f("hqmq-3.79", "key", 128) == 3.875 and f("hqmq-5", "key", 128) == 4.625 + 64 / 4096
 
 
 def expected_compressed_bits(stream, cfg, role: str, D: int) -> float:
@@ -244,11 +250,13 @@ def check_tail(stream, cfg, role: str, x: torch.Tensor, start: int) -> None:
         rec = stream._records()
         rec = rec[rec[:, 0] >= a].clone()
         rec[:, 0] -= a
-        out = kvq.hqmq_decode(stream.codes.view()[:, :, a:nc], stream.scale.view()[:, :, a:nc],
-                              stream.secondary, rec, cfg.radius_bits, x.shape[3], torch.float16)
+        codes = stream.codes.view()[:, :, a:nc]
+        out = kvq.hqmq_decode(codes, stream.secondary, rec, cfg.radius_bits, x.shape[3], torch.float16)
         ref = x[:, :, a:nc]
         where = torch.ones(ref.shape[:-1] + (ref.shape[-1] // 4,), dtype=torch.bool)
-        hqmq_chunk_check(ref, out, stream.scale.view()[:, :, a:nc], cfg.radius_bits, where)
+        # the radius scales from the packed rows (reference unpack of the documented layout)
+        scale = hq_ref.unpack_rows(codes, x.shape[3], cfg.secondary_size, cfg.radius_bits)[2]
+        hqmq_chunk_check(ref, out, scale, cfg.radius_bits, where)
         return
     raise AssertionError(type(stream))  # pragma: no cover
 

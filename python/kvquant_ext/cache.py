@@ -99,8 +99,8 @@ class KVCache:
             if not math.isfinite(float(max_abs_of(t))):
                 raise ValueError(f"argument '{name}' contains NaN or Inf (cache check_finite=True)")
         name, st = ("key", ks) if float(ks.magnitude(key)) > ks.max_abs else ("value", vs)
-        raise ValueError(f"argument '{name}' has {st.magnitude_what} above {st.max_abs:g}, which this cache's "
-                         "fp16 scales cannot represent (cache check_finite=True)")
+        raise ValueError(f"argument '{name}' has {st.range_text()}, which this cache's format cannot represent "
+                         "(cache check_finite=True)")
 
     def dequantize(self, layer_idx: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Full ``(K, V)`` of a layer, ``[B, H, T, D]`` each, as the cache holds them."""

@@ -131,9 +131,10 @@ class HQMQStream(Stream):
     max_abs = MAX_SCALE
 
     def magnitude(self, x: torch.Tensor) -> torch.Tensor:
-        """Every chunk coded by direction and radius is stored against the token's radius
-        scale, so the bound is on those chunks' norms; with Med3x a chunk above the threshold
-        is stored exactly (fp16 values), so on its entries instead: the larger of the two."""
+        """Every chunk coded by direction and radius is stored against the token's radius scale,
+        so the bound is on those chunks' norms (<= 61440); with Med3x a chunk above the
+        threshold is stored exactly (fp16 values, <= 65504), so its entries count scaled by
+        61440 / 65504: the larger of the two is compared with ``max_abs``."""
         if x.numel() == 0:
             return super().magnitude(x)
         norms = chunk_norms(x)
@@ -141,12 +142,16 @@ class HQMQStream(Stream):
             return norms.amax()
         thr = self.threshold if self.threshold is not None else med3_threshold(x, self.config.outlier_factor)
         coded = torch.where(norms > thr.view(1, -1, 1, 1), torch.zeros_like(norms), norms)
-        return torch.maximum(coded.amax(), super().magnitude(x))
+        return torch.maximum(coded.amax(), super().magnitude(x) * (MAX_SCALE / 65504.0))
 
     @property
     def magnitude_what(self) -> str:
-        return ("entries or coded 4-element chunk norms with magnitude" if self.config.outlier_factor is not None
-                else "4-element chunks with norm")
+        return "4-element chunks with norm"
+
+    def range_text(self) -> str:
+        if self.config.outlier_factor is None:
+            return super().range_text()
+        return f"coded 4-element chunks with norm above {MAX_SCALE:g} or entries above 65504"
 
     def __init__(self, config, role: str, *, layer_idx: int = 0, check_finite: bool = True):
         super().__init__()

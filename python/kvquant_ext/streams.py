@@ -105,6 +105,10 @@ class Stream:
     max_abs: float = 65504.0
     #: what ``magnitude`` measures, for the error message
     magnitude_what: str = "entries with magnitude"
+
+    def range_text(self) -> str:
+        """What an append that fails the ``max_abs`` check has, for the error message."""
+        return f"{self.magnitude_what} above {self.max_abs:g}"
     #: refuse a block whose compressed form cannot represent what was appended (GEAR's fp16
     #: low-rank factors); a cache sets it from its ``check_finite``
     check_outputs: bool = True

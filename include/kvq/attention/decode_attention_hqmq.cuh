@@ -96,13 +96,6 @@ inline bool hqmq_mma_layout_ok(const HqmqAttnParams& p) {
   return p.Tc >= kTile;
 }
 
-/// Compile-time row layout of the formats with R = 9 and a compile-time field width (FMT 1 and
-/// 3: E = 12, FMT 2: E = 15; see HqmqFmt) at head dim D.
-template <int FMT, int D>
-KVQ_HOST_DEVICE constexpr hqmq::RowLayout hqmq_fmt_row() {
-  return hqmq::hqmq_row_layout(D, FMT == 2 ? 192 : 96, FMT == 2 ? 6 : 4);
-}
-
 /// \brief Compile-time layout of the v2 path (FMT 3: F = 16, b_r = 4, R = 9) at head dim D.
 /// Ring stage: K fields (32 rows of 4 W bytes: the 16-bit fields of the packed rows, unpacked),
 /// V fields (rows padded by 16 bytes so that the lanes reading tokens 2c of one chunk block hit
@@ -113,7 +106,7 @@ KVQ_HOST_DEVICE constexpr hqmq::RowLayout hqmq_fmt_row() {
 template <int D>
 struct Hq16 {
   static_assert(D == 64 || D == 128, "the v2 HQMQ layout is for D = 64 and 128");
-  static constexpr hqmq::RowLayout ROW = hqmq_fmt_row<3, D>();
+  static constexpr hqmq::RowLayout ROW = hqmq::r9_layout<D, 12>();
   static constexpr int U = ROW.units;         // units per packed row (16 or 31)
   static constexpr int PACKED = kTile * U * 2;  // bytes of one role's packed tile
   static constexpr int W = D / 8;             // words per token row (32 chunks of 16 bits at D = 128)
@@ -177,20 +170,16 @@ __device__ __forceinline__ uint32_t rcode_pair(uint32_t rc) {
   return hsub2_u32((rc * 0x00010001u) | 0x64006400u, 0x64006400u);
 }
 
-/// x / 9^i for x < 2^16, i in 0..4 (multiply by ceil(2^32 / 9^i), keep the high word).
-__device__ __forceinline__ uint32_t div_pow9(uint32_t x, int i) {
-  const uint32_t m = i == 1 ? 477218589u : i == 2 ? 53024288u : i == 3 ? 5891588u : 654621u;
-  return i == 0 ? x : __umulhi(x, m);
-}
-
 /// Field formats the mma path is compiled for: 0 = any (runtime widths), 1 = hqmq-3.79 for
 /// keys and values (S = 96, b_r = 4: F = 16), 2 = hqmq-5 (S = 192, b_r = 6: F = 19), 3 = the
 /// F = 16 format on the v2 layout (hqmq_warp_mma16 below; D = 64 and 128 only).  FMT 1..3 also
-/// fix R = 9 (24 S = 9 * 2^L), so the packed row layout is a compile-time constant.
+/// fix R = 9 (24 S = 9 * 2^L), so the packed row layout is a compile-time constant
+/// (hqmq::r9_layout<D, E>).
 template <int FMT>
 struct HqmqFmt {
   static constexpr int F = FMT == 1 || FMT == 3 ? 16 : FMT == 2 ? 19 : 0;
   static constexpr int RB = FMT == 1 || FMT == 3 ? 4 : FMT == 2 ? 6 : 0;
+  static constexpr int E = FMT == 2 ? 15 : 12;  // plain bits per chunk (FMT > 0: r9_layout<D, E>)
 };
 inline int hqmq_fmt(const HqmqAttnParams& p) {
   auto is = [&](int F, int RB) {
@@ -200,40 +189,19 @@ inline int hqmq_fmt(const HqmqAttnParams& p) {
   return is(16, 4) ? 1 : is(19, 6) ? 2 : 0;
 }
 
-/// Field of chunk `chunk` of a packed row in shared memory (`row`: its first unit; reads may
-/// touch up to two units past the row).  FMT > 0: the compile-time layout hqmq_fmt_row.
+/// Field of chunk `chunk` of a packed row in shared memory (reads may touch up to two units
+/// past the row).  FMT > 0: the compile-time layout.
 template <int FMT, int D>
 __device__ __forceinline__ uint32_t smem_packed_field(const uint16_t* row, int chunk, const hqmq::RowLayout& rl) {
-  if constexpr (FMT == 0) {
-    const int bit = chunk * rl.E, j = bit >> 4;
-    const uint64_t v = (uint64_t)row[j] | (uint64_t)row[j + 1] << 16 | (uint64_t)row[j + 2] << 32;
-    const uint32_t plain = (uint32_t)(v >> (bit & 15)) & ((1u << rl.E) - 1u);
-    const int gi = chunk / rl.K;
-    const int at = gi < rl.G ? rl.groups_at + 16 * gi : rl.tail_at;
-    const int w = gi < rl.G ? 16 : rl.tail_bits;
-    const uint32_t gv = (((uint32_t)row[at >> 4] | (uint32_t)row[(at >> 4) + 1] << 16) >> (at & 15)) & ((1u << w) - 1u);
-    const uint32_t digit = (gv / hqmq::radix_pow(rl.R, chunk - gi * rl.K)) % (uint32_t)rl.R;
-    return (digit << rl.E) | plain;
-  } else {
-    constexpr hqmq::RowLayout L = hqmq_fmt_row<FMT, D>();
-    const int bit = chunk * L.E, j = bit >> 4;
-    const uint32_t v = (uint32_t)row[j] | (uint32_t)row[j + 1] << 16;  // E + 15 <= 32
-    const uint32_t plain = (v >> (bit & 15)) & ((1u << L.E) - 1u);
-    const int gi = chunk / 5;
-    const int at = gi < L.G ? L.groups_at + 16 * gi : L.tail_at;
-    const uint32_t gv = ((uint32_t)row[at >> 4] | (uint32_t)row[(at >> 4) + 1] << 16) >> (at & 15);
-    const uint32_t q = div_pow9(gv & (gi < L.G ? 0xffffu : (1u << L.tail_bits) - 1u), chunk - 5 * gi);
-    return ((q - 9u * __umulhi(q, 477218589u)) << L.E) | plain;
-  }
+  if constexpr (FMT == 0) return hqmq::read_field(row, rl, chunk);
+  else return hqmq::read_field_r9<D, HqmqFmt<FMT>::E>(row, chunk);
 }
 
-/// The fp16 bits of a packed row's radius scale (row in shared memory; SB <= 15 bits).
+/// The fp16 bits of a packed row's radius scale (row in shared memory).
 template <int FMT, int D>
 __device__ __forceinline__ uint32_t smem_packed_scale(const uint16_t* row, const hqmq::RowLayout& rl) {
-  const int at = FMT == 0 ? rl.scale_at : hqmq_fmt_row<FMT, D>().scale_at;
-  const int sb = FMT == 0 ? rl.scale_bits : hqmq_fmt_row<FMT, D>().scale_bits;
-  const uint32_t v = ((uint32_t)row[at >> 4] | (uint32_t)row[(at >> 4) + 1] << 16) >> (at & 15);
-  return (v & ((1u << sb) - 1u)) << (15 - sb);
+  if constexpr (FMT == 0) return hqmq::read_scale(row, rl);
+  else return hqmq::read_scale_r9<D, HqmqFmt<FMT>::E>(row);
 }
 
 /// Field format of the launch: hqmq_fmt, with F = 16 / b_r = 4 on the v2 layout (3) wherever it
@@ -628,22 +596,12 @@ __device__ __forceinline__ void lds_n(const char* src, uint32_t (&w)[N]) {
   }
 }
 
-/// `width` bits of a row held in registers from bit b (b and width compile-time after unrolling).
-template <int N>
-__device__ __forceinline__ uint32_t reg_bits(const uint32_t (&r)[N], int b, int width) {
-  const int j = b >> 5, o = b & 31;
-  uint32_t v = r[j] >> o;
-  if (o + width > 32) v |= r[j + 1] << (32 - o);
-  return v & ((1u << width) - 1u);
-}
-
 /// Unpack one role's packed tile (landed at byte `src` of stage `st`) into rows of 16-bit fields
 /// (at `dst`, ROWB bytes apart) and fp16 radius scales (at `sdst`): lane t unpacks token t.  The
 /// packed and unpacked rows overlap, so every lane reads its whole packed row before any writes.
 template <int D, int ROWB>
 __device__ __forceinline__ void hqmq_unpack16(char* st, int src, int dst, int sdst, int lane) {
   using L = Hq16<D>;
-  constexpr hqmq::RowLayout R = L::ROW;
   constexpr int NW = (L::U + 1) / 2 + 1;  // words covering a row from its word-aligned start
   const int u0 = lane * L::U;
   const uint32_t* base = reinterpret_cast<const uint32_t*>(st + src) + (u0 >> 1);
@@ -655,25 +613,11 @@ __device__ __forceinline__ void hqmq_unpack16(char* st, int src, int dst, int sd
 #pragma unroll
   for (int j = 0; j < NW - 1; ++j) r[j] = __funnelshift_r(w[j], w[j + 1], (u0 & 1) * 16);
   uint32_t out[L::W];
-#pragma unroll
-  for (int gi = 0; gi <= R.G; ++gi) {  // the G digit groups, then the tail
-    const int n = gi < R.G ? 5 : R.C - 5 * R.G;
-    uint32_t gv = n == 0 ? 0u
-                  : gi < R.G ? reg_bits(r, R.groups_at + 16 * gi, 16)
-                             : reg_bits(r, R.tail_at, R.tail_bits);
-#pragma unroll
-    for (int k = 0; k < n; ++k) {
-      const int ch = 5 * gi + k;
-      const uint32_t q = __umulhi(gv, 477218589u);  // gv / 9 (gv < 2^16)
-      const uint32_t f = ((gv - 9u * q) << 12) | reg_bits(r, 12 * ch, 12);
-      gv = q;
-      out[ch >> 1] = (ch & 1) ? out[ch >> 1] | (f << 16) : f;
-    }
-  }
+  const uint32_t s16 = hqmq::unpack_row16<D>(r, out);
   uint4* d4 = reinterpret_cast<uint4*>(st + dst + lane * ROWB);
 #pragma unroll
   for (int j = 0; j < L::W / 4; ++j) d4[j] = make_uint4(out[4 * j], out[4 * j + 1], out[4 * j + 2], out[4 * j + 3]);
-  reinterpret_cast<uint16_t*>(st + sdst)[lane] = (uint16_t)(reg_bits(r, R.scale_at, R.scale_bits) << (15 - R.scale_bits));
+  reinterpret_cast<uint16_t*>(st + sdst)[lane] = (uint16_t)s16;
 }
 
 template <typename DType, int D, typename Tiles>

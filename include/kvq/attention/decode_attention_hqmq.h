@@ -80,11 +80,13 @@ KVQ_HOST_DEVICE void hqmq_record_range(const HqmqKV& s, int64_t BH, int64_t j, i
 /// are not added.
 inline void hqmq_decode_row_cpu(const HqmqKV& s, int64_t h, const int16_t* row_in, int64_t D, float* x) {
   const uint16_t* row = reinterpret_cast<const uint16_t*>(row_in);
-  const float step = hqmq::div_rn(half_bits_to_float(hqmq::read_scale(row, s.row)), (float)((1 << s.radius_bits) - 1));
+  uint32_t fields[hqmq::kMaxChunks];
+  const float step = hqmq::div_rn(half_bits_to_float((uint16_t)hqmq::row_fields(row, s.row, D, fields)),
+                                  (float)((1 << s.radius_bits) - 1));
   const float* sec = s.secondary + h * s.S * 4;
   for (int64_t c = 0; c < D / 4; ++c) {
     float o[4];
-    hqmq::decode_chunk(hqmq::read_field(row, s.row, (int)c), s.radius_bits, step, sec, s.S, o);
+    hqmq::decode_chunk(fields[c], s.radius_bits, step, sec, s.S, o);
     for (int i = 0; i < 4; ++i) x[4 * c + i] = o[i];
   }
 }

@@ -151,6 +151,122 @@ KVQ_HOST_DEVICE uint16_t read_scale(const uint16_t* row, const RowLayout& l) {
   return (uint16_t)(row_bits(row, l.units, l.scale_at, l.scale_bits) << (15 - l.scale_bits));
 }
 
+/// \brief High word of a * b.
+KVQ_HOST_DEVICE uint32_t umulhi32(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __umulhi(a, b);
+#else
+  return (uint32_t)(((uint64_t)a * b) >> 32);
+#endif
+}
+
+/// \brief x / 9^i for x < 2^16, i in 0..4 (the high word of x * ceil(2^32 / 9^i)).
+KVQ_HOST_DEVICE uint32_t div_pow9(uint32_t x, int i) {
+  const uint32_t m = i == 1 ? 477218589u : i == 2 ? 53024288u : i == 3 ? 5891588u : 654621u;
+  return i == 0 ? x : umulhi32(x, m);
+}
+
+/// \brief The layout of the R = 9 formats with E-bit plain fields at head dim D (it depends on
+/// D, E and R alone: S = 96 with b_r = E - 8 stands for all of them, e.g. hqmq-5's S = 192, b_r = 6).
+template <int D, int E>
+KVQ_HOST_DEVICE constexpr RowLayout r9_layout() {
+  return hqmq_row_layout(D, 96, E - 8);
+}
+
+/// \brief read_field for an R = 9 format with compile-time layout r9_layout<D, E> (reads at most
+/// two units past the chunk's bits; the CUDA tensor-core path's reader).
+template <int D, int E>
+KVQ_HOST_DEVICE uint32_t read_field_r9(const uint16_t* row, int chunk) {
+  constexpr RowLayout L = r9_layout<D, E>();
+  static_assert(L.R == 9 && L.E + 15 <= 32, "two units hold a plain field");
+  const int bit = chunk * E, j = bit >> 4;
+  const uint32_t plain = (((uint32_t)row[j] | (uint32_t)row[j + 1] << 16) >> (bit & 15)) & ((1u << E) - 1u);
+  const int gi = chunk / 5;
+  const int at = gi < L.G ? L.groups_at + 16 * gi : L.tail_at;
+  const uint32_t gv = ((uint32_t)row[at >> 4] | (uint32_t)row[(at >> 4) + 1] << 16) >> (at & 15);
+  const uint32_t q = div_pow9(gv & (gi < L.G ? 0xffffu : (1u << L.tail_bits) - 1u), chunk - 5 * gi);
+  return ((q - 9u * umulhi32(q, 477218589u)) << E) | plain;
+}
+
+/// \brief read_scale for an R = 9 format with compile-time layout r9_layout<D, E>.
+template <int D, int E>
+KVQ_HOST_DEVICE uint32_t read_scale_r9(const uint16_t* row) {
+  constexpr RowLayout L = r9_layout<D, E>();
+  const int at = L.scale_at;
+  const uint32_t v = ((uint32_t)row[at >> 4] | (uint32_t)row[(at >> 4) + 1] << 16) >> (at & 15);
+  return (v & ((1u << L.scale_bits) - 1u)) << (15 - L.scale_bits);
+}
+
+/// \brief `width` bits from bit b of a row held in 32-bit words r (row bit b = bit b % 32 of
+/// r[b / 32]); b and width are compile-time constants once the caller's loops are unrolled.
+template <int N>
+KVQ_HOST_DEVICE uint32_t reg_bits(const uint32_t (&r)[N], int b, int width) {
+  const int j = b >> 5, o = b & 31;
+  uint32_t v = r[j] >> o;
+  if (o + width > 32) v |= r[j + 1] << (32 - o);
+  return v & ((1u << width) - 1u);
+}
+
+/// \brief Every field of a packed F = 16, R = 9 row (E = 12: hqmq-3.79) held in words r, as
+/// 16-bit fields dir << 4 | rcode two per word (out[w] = field 2w | field 2w + 1 << 16); returns
+/// the scale's fp16 bits.  The CUDA v2 path unpacks each token of a tile with it.
+template <int D, int N>
+KVQ_HOST_DEVICE uint32_t unpack_row16(const uint32_t (&r)[N], uint32_t (&out)[D / 8]) {
+  constexpr RowLayout R = r9_layout<D, 12>();
+  static_assert(32 * N >= 16 * R.units, "r holds the row");
+#pragma unroll
+  for (int gi = 0; gi <= R.G; ++gi) {  // the G digit groups, then the tail
+    const int n = gi < R.G ? 5 : R.C - 5 * R.G;
+    uint32_t gv = n == 0 ? 0u : gi < R.G ? reg_bits(r, R.groups_at + 16 * gi, 16) : reg_bits(r, R.tail_at, R.tail_bits);
+#pragma unroll
+    for (int k = 0; k < n; ++k) {
+      const int ch = 5 * gi + k;
+      const uint32_t q = umulhi32(gv, 477218589u);  // gv / 9 (gv < 2^16)
+      const uint32_t f = ((gv - 9u * q) << 12) | reg_bits(r, 12 * ch, 12);
+      gv = q;
+      out[ch >> 1] = (ch & 1) ? out[ch >> 1] | (f << 16) : f;
+    }
+  }
+  return reg_bits(r, R.scale_at, R.scale_bits) << (15 - R.scale_bits);
+}
+
+/// \brief The C fields (dir << b_r | rcode) and the scale's fp16 bits of a packed row, through
+/// the arithmetic of the CUDA decode paths that read it: unpack_row16 (the v2 tensor-core path)
+/// for F = 16, R = 9 at D = 64 / 128, read_field_r9 (the general tensor-core path) for the other
+/// R = 9 formats with E = 12 or 15, else the generic reader.  The CPU decoders use it, so the
+/// CPU tests cover that arithmetic.
+inline uint32_t row_fields(const uint16_t* row, const RowLayout& l, int64_t D, uint32_t* fields) {
+  const bool r9 = l.R == 9 && (l.E == 12 || l.E == 15);
+  if (r9 && l.E == 12 && (D == 64 || D == 128)) {
+    uint32_t r[33] = {};  // D = 128: 31 units
+    for (int j = 0; j < l.units; ++j) r[j >> 1] |= (uint32_t)row[j] << (16 * (j & 1));
+    uint32_t out[16], s;
+    if (D == 64) {
+      uint32_t r64[9], o64[8];
+      for (int j = 0; j < 9; ++j) r64[j] = r[j];
+      s = unpack_row16<64>(r64, o64);
+      for (int w = 0; w < 8; ++w) out[w] = o64[w];
+    } else {
+      uint32_t r128[17];
+      for (int j = 0; j < 17; ++j) r128[j] = r[j];
+      s = unpack_row16<128>(r128, out);
+    }
+    for (int c = 0; c < l.C; ++c) fields[c] = (out[c >> 1] >> (16 * (c & 1))) & 0xffffu;
+    return s;
+  }
+  uint16_t pad[kMaxUnits + 2] = {};  // read_field_r9 may read two units past the row
+  for (int j = 0; j < l.units; ++j) pad[j] = row[j];
+#define KVQ_R9(DD, EE)                                                   \
+  if (r9 && D == DD && l.E == EE) {                                      \
+    for (int c = 0; c < l.C; ++c) fields[c] = read_field_r9<DD, EE>(pad, c); \
+    return read_scale_r9<DD, EE>(pad);                                   \
+  }
+  KVQ_R9(32, 12) KVQ_R9(256, 12) KVQ_R9(32, 15) KVQ_R9(64, 15) KVQ_R9(128, 15) KVQ_R9(256, 15)
+#undef KVQ_R9
+  for (int c = 0; c < l.C; ++c) fields[c] = read_field(row, l, c);
+  return read_scale(row, l);
+}
+
 /// \brief The SB-bit scale code of a row whose largest coded radius is rmax (rounded up; finite
 /// values past the largest finite code clamp to it, NaN / Inf stay non-finite).
 KVQ_HOST_DEVICE uint32_t scale_code(float rmax, int SB) {
@@ -435,10 +551,11 @@ void hqmq_decode_cpu(const HqmqParams& p, int64_t row_begin, int64_t row_end) {
     const int64_t h = (row / p.T) % p.H;
     const float* sec = p.secondary + h * p.S * 4;
     const uint16_t* units = reinterpret_cast<const uint16_t*>(p.codes) + row * p.row.units;
-    const float step = div_rn(half_bits_to_float(read_scale(units, p.row)), maxq);
+    uint32_t fields[kMaxChunks];
+    const float step = div_rn(half_bits_to_float((uint16_t)row_fields(units, p.row, p.D, fields)), maxq);
     for (int c = 0; c < C; ++c) {
       float o[4];
-      decode_chunk(read_field(units, p.row, c), p.radius_bits, step, sec, p.S, o);
+      decode_chunk(fields[c], p.radius_bits, step, sec, p.S, o);
       for (int i = 0; i < 4; ++i) out[row * p.D + 4 * c + i] = from_float<DType>(o[i]);
     }
   }
