@@ -602,12 +602,13 @@ __device__ __forceinline__ void lds_n(const char* src, uint32_t (&w)[N]) {
 template <int D, int ROWB>
 __device__ __forceinline__ void hqmq_unpack16(char* st, int src, int dst, int sdst, int lane) {
   using L = Hq16<D>;
-  constexpr int NW = (L::U + 1) / 2 + 1;  // words covering a row from its word-aligned start
+  constexpr int NW = (L::U + 1) / 2 + 1;  // the words holding a row from its word-aligned start, + 0
   const int u0 = lane * L::U;
   const uint32_t* base = reinterpret_cast<const uint32_t*>(st + src) + (u0 >> 1);
   uint32_t w[NW];
 #pragma unroll
-  for (int j = 0; j < NW; ++j) w[j] = base[j];
+  for (int j = 0; j < NW - 1; ++j) w[j] = base[j];  // (never past the tile: no read of a neighbour's writes)
+  w[NW - 1] = 0u;
   __syncwarp();
   uint32_t r[NW - 1];  // row bit b = bit b % 32 of r[b / 32]
 #pragma unroll
