@@ -16,8 +16,9 @@
 //  K A-fragments: k-step kk covers chunks 4kk .. 4kk + 3 (16 channels); the columns are
 //   permuted so that lane quad c owns exactly chunk 4kk + c: A columns 2c, 2c+1, 2c+8, 2c+9 =
 //   the chunk's elements 0..3 (the q B-fragment follows: b0 = elements 0, 1, b1 = 2, 3 of head
-//   i).  Per (token, chunk): one funnel shift of two shared-memory words gives the field, the
-//   codeword is one 8-byte shared load, and the element is codeword x rcode (HMUL2, exact
+//   i).  Per (token, chunk): the field is read from the tile's packed rows in shared memory
+//   (plain bits + the chunk's base-R digit, smem_packed_field), the codeword is one 8-byte
+//   shared load, and the element is codeword x rcode (HMUL2, exact
 //   integer rcode <= 255 as fp16).  The per-token radius step scale / (2^RB - 1) and the q
 //   normaliser are applied to the fp32 score afterwards.
 //  V A-fragments: m-tile mv covers chunks 4mv .. 4mv + 3 with rows permuted so that rows i and
@@ -35,7 +36,8 @@
 //   p[t][j] v into their accumulators.  Both steps are skipped (warp-uniform branch) for tiles
 //   without records, i.e. always at hqmq-3.79.
 // F = 16 (hqmq-3.79) at D = 64 / 128 runs a second layout of this path, hqmq_warp_mma16 (FMT 3,
-// comment block above it): whole chunks per lane, 4096-entry codebooks, no exchange.
+// comment block above it): each tile unpacked in place to 16-bit fields first (hqmq_unpack16),
+// whole chunks per lane, 4096-entry codebooks, no exchange.
 // CTA: hqmq_warps(D) warps (12 at D <= 128, 4 at D = 256) sharing the codebooks.  The fragment
 // algorithm is emulated lane by lane on the CPU in tests/test_decode_attention_hqmq_emulation.py
 // (keep it in sync when changing the layouts below).
@@ -538,6 +540,8 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
 // ---------------------------------------------------------------------------
 // v2 tensor-core path for the F = 16 format (hqmq-3.79: b_r = 4, 12-bit directions), D = 64
 // and 128 (FMT 3).  Differences from hqmq_warp_mma (same skeleton, softmax and records):
+//  - each tile's packed rows are unpacked in place, one token per lane, into rows of 16-bit
+//    fields dir << 4 | rcode and fp16 scales (hqmq_unpack16), which the loop below reads;
 //  - chunk <-> fragment maps chosen so that a lane's chunks of a token are consecutive words:
 //    QK k-step kk, lane quad c: chunk NK c + kk (K words of a token row: one LDS.128 at D = 128);
 //    PV m-tile pair m (m-tiles 2m, 2m + 1), lane row group i: chunk VP i + m, its elements 0, 1
