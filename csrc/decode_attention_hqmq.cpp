@@ -46,7 +46,6 @@ attention::HqmqKV hqmq_role_fields(const char* op, const std::string& r, const c
   s.S = S;
   s.radius_bits = (int)radius_bits;
   s.field_bits = hqmq::hqmq_dir_bits(S) + (int)radius_bits;
-  s.units = row.units;
   s.row = row;
   return s;
 }
@@ -64,7 +63,7 @@ static attention::HqmqKV make_hqmq_role(const char* role, const at::Tensor& q, c
   CHECK_DIM(kOp, outlier_ptr, pn.c_str(), 1);
   CHECK_SAME_DEVICE(kOp, q, "q", outliers, on.c_str());
   CHECK_SAME_DEVICE(kOp, q, "q", outlier_ptr, pn.c_str());
-  const int64_t T = codes.size(2), U = s.units;
+  const int64_t T = codes.size(2), U = s.row.units;
   KVQ_CHECK_ARG(codes.size(0) == B && codes.size(1) == H, kOp, cn.c_str(), "must be [B=", B, ", H=", H,
                 ", T, U], got ", codes.sizes());
   KVQ_CHECK_ARG(codes.numel() == 0 || (codes.stride(3) == 1 && codes.stride(2) == U), kOp, cn.c_str(),

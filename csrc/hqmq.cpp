@@ -38,8 +38,6 @@ static void fill_common(hqmq::HqmqParams& p, int64_t N, int64_t H, int64_t T, in
   p.D = D;
   p.S = S;
   p.radius_bits = (int)radius_bits;
-  p.dir_bits = hqmq::hqmq_dir_bits(S);
-  p.field_bits = p.dir_bits + (int)radius_bits;
   p.row = hqmq::hqmq_row_layout(D, S, (int)radius_bits);
 }
 

@@ -155,7 +155,7 @@ inline HqmqSmem hqmq_smem_plan(const HqmqAttnParams& p, int fmt = 0) {
       m.mma = true, m.cb_k = cb, m.cb_v = cb, m.region = region, m.total = total;
     }
   } else if (hqmq_mma_layout_ok(p)) {
-    const HqmqTileLayout tl = HqmqTileLayout::make(p.k.units, p.v.units);
+    const HqmqTileLayout tl = HqmqTileLayout::make(p.k.row.units, p.v.row.units);
     const size_t ring = (size_t)kHqmqStages * tl.bytes;
     const size_t region = (ring > slot16 ? ring : slot16) + sizeof(float) * kTile * 8;  // + [32][8] buffer
     const size_t cbk = (size_t)hqmq::kHurwitzUnits * 8 * p.k.S, cbv = (size_t)hqmq::kHurwitzUnits * 8 * p.v.S;
@@ -227,7 +227,7 @@ __device__ __forceinline__ void hqmq_load_row(const HqmqKV& s, int64_t pb, int64
   constexpr int EPL = D / 32;
   constexpr int STEP = EPL >= 4 ? 4 : EPL;
   const uint16_t* codes =
-      reinterpret_cast<const uint16_t*>(s.codes) + pb * s.codes_sb + h * s.codes_sh + row * s.units;
+      reinterpret_cast<const uint16_t*>(s.codes) + pb * s.codes_sb + h * s.codes_sh + row * s.row.units;
   const float maxq = (float)((1 << s.radius_bits) - 1);
   const float step = hqmq::div_rn(half_bits_to_float(hqmq::read_scale(codes, s.row)), maxq);
   const float* sec = s.secondary + h * s.S * 4;
@@ -283,7 +283,7 @@ struct HqmqRowTiles {
 __device__ __forceinline__ HqmqRowTiles hqmq_row_tiles(const HqmqAttnParams& p, int64_t b, int64_t h) {
   HqmqRowTiles r;
   r.row = {p.k.codes + b * p.k.codes_sb + h * p.k.codes_sh, p.v.codes + b * p.v.codes_sb + h * p.v.codes_sh};
-  r.uk = p.k.units, r.uv = p.v.units;
+  r.uk = p.k.row.units, r.uv = p.v.row.units;
   return r;
 }
 
@@ -301,8 +301,8 @@ __device__ void hqmq_warp_mma(const HqmqAttnParams& p, const Tiles& tiles, int64
   constexpr int NW = hqmq_warps(D);
   const int lane = threadIdx.x % 32, i = lane >> 2, c = lane & 3;
   const int64_t BH = p.B * p.H, n = b * p.H + h;
-  const HqmqTileLayout TL = HqmqTileLayout::make(p.k.units, p.v.units);
-  const int UK = p.k.units, UV = p.v.units;
+  const HqmqTileLayout TL = HqmqTileLayout::make(p.k.row.units, p.v.row.units);
+  const int UK = p.k.row.units, UV = p.v.row.units;
   using FM = HqmqFmt<FMT>;  // compile-time widths where FMT != 0
   const int RBK = FM::RB ? FM::RB : p.k.radius_bits, RBV = FM::RB ? FM::RB : p.v.radius_bits;
   const hqmq::RowLayout& rowk = p.k.row;  // (kernel parameter space: no registers)

@@ -40,8 +40,8 @@ struct HqmqKV {
   int64_t num_outliers = 0;              // M
   int64_t codes_sb = 0, codes_sh = 0;    // batch / head strides of codes (units)
   int64_t S = 1;
-  int radius_bits = 4, field_bits = 0, units = 0;
-  hqmq::RowLayout row;                   // hqmq_row_layout(D, S, radius_bits)
+  int radius_bits = 4, field_bits = 0;
+  hqmq::RowLayout row;                   // hqmq_row_layout(D, S, radius_bits): row.units per token
   // the recent window: tokens Tc .. T - 1 in full precision (the dtype of q), [B, H, T - Tc, D]
   // with inner [T - Tc, D] contiguous; nullptr when T == Tc
   const void* residual = nullptr;
@@ -97,7 +97,7 @@ inline void hqmq_decode_tokens_cpu(const HqmqAttnParams& p, const HqmqKV& s, int
                                    int64_t t0, int64_t t1, float* x) {
   const int64_t D = p.D, C = D / 4, n = b * p.H + h;
   const int16_t* codes = s.codes + b * s.codes_sb + h * s.codes_sh;
-  for (int64_t t = t0; t < t1; ++t) hqmq_decode_row_cpu(s, h, codes + t * s.units, D, x + (t - t0) * D);
+  for (int64_t t = t0; t < t1; ++t) hqmq_decode_row_cpu(s, h, codes + t * s.row.units, D, x + (t - t0) * D);
   for (int64_t j = t0 / kHqmqTile; j * kHqmqTile < t1; ++j) {
     int64_t a, e;
     hqmq_record_range(s, p.B * p.H, j, n, &a, &e);

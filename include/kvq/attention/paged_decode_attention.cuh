@@ -400,7 +400,7 @@ __device__ __forceinline__ HqmqPageTiles hqmq_page_tiles(const PagedHqmqParams& 
   t.bt = pk.block_table + s * pk.bt_stride, t.ps = pk.page_shift;
   t.head = {hp.k.codes + h * hp.k.codes_sh, hp.v.codes + h * hp.v.codes_sh};
   t.kc_sb = hp.k.codes_sb, t.vc_sb = hp.v.codes_sb;
-  t.uk = hp.k.units, t.uv = hp.v.units;
+  t.uk = hp.k.row.units, t.uv = hp.v.row.units;
   return t;
 }
 

@@ -305,7 +305,7 @@ void paged_decode_attention_hqmq_cpu(const PagedHqmqParams& hp, int64_t s, int64
                                      std::vector<float>& kbuf) {
   paged_attention_rows_cpu<DType>(hp.base, s, h, row, kbuf, [&](int role, int64_t page, int64_t r, float* x) {
     const HqmqKV& st = role == 0 ? hp.k : hp.v;
-    hqmq_decode_row_cpu(st, h, st.codes + page * st.codes_sb + h * st.codes_sh + r * st.units, hp.base.D, x);
+    hqmq_decode_row_cpu(st, h, st.codes + page * st.codes_sb + h * st.codes_sh + r * st.row.units, hp.base.D, x);
   });
 }
 

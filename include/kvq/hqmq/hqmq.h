@@ -82,8 +82,6 @@ struct HqmqParams {
   int64_t D = 0;                      // head dim (multiple of 4, <= 256)
   int64_t S = 0;                      // secondary set size
   int radius_bits = 0;                // RB in 1..8
-  int dir_bits = 0;                   // DB = ceil(log2(24 S))
-  int field_bits = 0;                 // F = DB + RB
   RowLayout row;                      // hqmq_row_layout(D, S, RB); row.units = U
 };
 
@@ -230,6 +228,16 @@ KVQ_HOST_DEVICE uint32_t unpack_row16(const uint32_t (&r)[N], uint32_t (&out)[D 
   return reg_bits(r, R.scale_at, R.scale_bits) << (15 - R.scale_bits);
 }
 
+/// \brief row_fields through unpack_row16: the row's units gathered into words first.
+template <int D>
+inline uint32_t unpack_fields16(const uint16_t* row, const RowLayout& l, uint32_t* fields) {
+  uint32_t r[D / 8 + 1] = {}, out[D / 8];
+  for (int j = 0; j < l.units; ++j) r[j >> 1] |= (uint32_t)row[j] << (16 * (j & 1));
+  const uint32_t s = unpack_row16<D>(r, out);
+  for (int c = 0; c < l.C; ++c) fields[c] = (out[c >> 1] >> (16 * (c & 1))) & 0xffffu;
+  return s;
+}
+
 /// \brief The C fields (dir << b_r | rcode) and the scale's fp16 bits of a packed row, through
 /// the arithmetic of the CUDA decode paths that read it: unpack_row16 (the v2 tensor-core path)
 /// for F = 16, R = 9 at D = 64 / 128, read_field_r9 (the general tensor-core path) for the other
@@ -237,23 +245,8 @@ KVQ_HOST_DEVICE uint32_t unpack_row16(const uint32_t (&r)[N], uint32_t (&out)[D 
 /// CPU tests cover that arithmetic.
 inline uint32_t row_fields(const uint16_t* row, const RowLayout& l, int64_t D, uint32_t* fields) {
   const bool r9 = l.R == 9 && (l.E == 12 || l.E == 15);
-  if (r9 && l.E == 12 && (D == 64 || D == 128)) {
-    uint32_t r[33] = {};  // D = 128: 31 units
-    for (int j = 0; j < l.units; ++j) r[j >> 1] |= (uint32_t)row[j] << (16 * (j & 1));
-    uint32_t out[16], s;
-    if (D == 64) {
-      uint32_t r64[9], o64[8];
-      for (int j = 0; j < 9; ++j) r64[j] = r[j];
-      s = unpack_row16<64>(r64, o64);
-      for (int w = 0; w < 8; ++w) out[w] = o64[w];
-    } else {
-      uint32_t r128[17];
-      for (int j = 0; j < 17; ++j) r128[j] = r[j];
-      s = unpack_row16<128>(r128, out);
-    }
-    for (int c = 0; c < l.C; ++c) fields[c] = (out[c >> 1] >> (16 * (c & 1))) & 0xffffu;
-    return s;
-  }
+  if (r9 && l.E == 12 && D == 64) return unpack_fields16<64>(row, l, fields);
+  if (r9 && l.E == 12 && D == 128) return unpack_fields16<128>(row, l, fields);
   uint16_t pad[kMaxUnits + 2] = {};  // read_field_r9 may read two units past the row
   for (int j = 0; j < l.units; ++j) pad[j] = row[j];
 #define KVQ_R9(DD, EE)                                                   \
